@@ -1,0 +1,43 @@
+"""lightning-fullgraph: distributed full-graph GNN training for PyTorch Lightning.
+
+Importing the package registers the strategies ``"fullgraph_quant"`` and
+``"fullgraph_exact"`` with Lightning's strategy registry, so that
+``Trainer(strategy="fullgraph_quant")`` works.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_fullgraph.comm.exchange import CommStats, HaloExchanger
+from lightning_fullgraph.datamodule import FullGraphDataModule
+from lightning_fullgraph.nn.adapters import UnsupportedConvError, register_conv_adapter, supported_convs
+from lightning_fullgraph.partition.plan import HaloPlan, LocalPartition
+from lightning_fullgraph.strategy import MODES, FullGraphStrategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MODES",
+    "CommStats",
+    "FullGraphDataModule",
+    "FullGraphStrategy",
+    "HaloExchanger",
+    "HaloPlan",
+    "LocalPartition",
+    "UnsupportedConvError",
+    "__version__",
+    "register_conv_adapter",
+    "supported_convs",
+]
+
+
+def _register() -> None:
+    entries = {
+        "fullgraph_quant": ("Full-graph training over graph partitions (default mode)", {}),
+        "fullgraph_exact": ("Full-graph training over graph partitions, exact fp32 halo exchange", {"mode": "exact"}),
+    }
+    for name, (description, params) in entries.items():
+        if name not in StrategyRegistry:
+            StrategyRegistry.register(name, FullGraphStrategy, description=description, **params)
+
+
+_register()

@@ -1,0 +1,234 @@
+"""``FullGraphDataModule``: partition a graph once, give each rank its own part.
+
+``prepare_data`` (one process per node) loads the global graph, partitions it and writes
+the partition folder, unless a valid one is cached.  ``setup`` (every rank) reads only the
+manifest and that rank's part file.  Every dataloader yields one batch per epoch: the
+rank's local graph as a PyG ``Data`` (see :class:`~lightning_fullgraph.partition.plan.LocalPartition`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torch_geometric.data import Data
+
+from lightning_fullgraph.partition.cache import (
+    PartitionCacheError,
+    PartitionResult,
+    check_manifest,
+    ensure_partitions,
+    load_part,
+    read_manifest,
+)
+from lightning_fullgraph.partition.partitioner import PARTITION_METHODS
+from lightning_fullgraph.partition.plan import LocalPartition
+
+__all__ = ["FullGraphDataModule", "load_graph"]
+
+log = logging.getLogger(__name__)
+
+
+class _OneGraph(Dataset):
+    """A dataset of exactly one item: this rank's local graph."""
+
+    def __init__(self, data: Data) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index: int) -> Data:
+        return self.data
+
+
+def _identity(item: Any) -> Any:
+    return item
+
+
+def load_graph(data: Any, root: str | os.PathLike | None = None, **kwargs: Any) -> Data:
+    """Turns what a user passes as ``data`` into one PyG ``Data``.
+
+    Args:
+        data: A ``Data``; a PyG dataset (its first graph); or a dataset name for
+            :func:`lightning_fullgraph.datasets.load_dataset` (with ``root``).
+        root: Folder of the dataset for named datasets.
+        **kwargs: Passed to ``load_dataset`` for named datasets.
+    """
+    if isinstance(data, Data):
+        return data
+    if isinstance(data, str):
+        from lightning_fullgraph.datasets import load_dataset
+
+        return load_dataset(data, root=root, **kwargs)
+    if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
+        if len(data) != 1:
+            raise ValueError(f"expected a dataset holding one graph, got {len(data)} graphs")
+        graph = data[0]
+        if not isinstance(graph, Data):
+            raise TypeError(f"the dataset's item is a {type(graph).__name__}, not a torch_geometric Data")
+        return graph
+    raise TypeError(f"`data` must be a torch_geometric Data, a PyG dataset or a dataset name; got {type(data).__name__}")
+
+
+class FullGraphDataModule(pl.LightningDataModule):
+    """Partitions a graph and serves each rank its part, one full-graph batch per epoch.
+
+    Args:
+        data: The graph: a PyG ``Data``, a PyG dataset with one graph, a dataset name
+            (``"community"``, Planetoid names, OGB node-property names, ... see
+            :func:`lightning_fullgraph.datasets.load_dataset`), or the path of a partition
+            folder written by ``lightning-fullgraph partition`` (then the global graph is
+            never loaded).
+        num_parts: Number of parts; default (``None``) the trainer's world size.  It must
+            equal the world size when training.
+        partition: ``"metis"`` (minimises communication volume) or ``"random"``.
+        cache_dir: Folder for partition folders; default ``$LIGHTNING_FULLGRAPH_CACHE`` or
+            ``<tmp>/lightning_fullgraph/partitions``.
+        root: Dataset folder for named datasets.
+        seed: Partitioner seed.
+        dataset_kwargs: Extra arguments of ``load_dataset`` for named datasets (e.g. the
+            size of the generated ``"community"`` graph).
+
+    Attributes:
+        local_partition: This rank's :class:`LocalPartition` after ``setup``.
+        partition_result: What ``prepare_data`` did (cache hit or rebuild, and why), on the
+            process that ran it.
+    """
+
+    def __init__(
+        self,
+        data: Any = "community",
+        num_parts: int | None = None,
+        partition: str = "metis",
+        cache_dir: str | os.PathLike | None = None,
+        root: str | os.PathLike | None = None,
+        seed: int = 0,
+        dataset_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if partition not in PARTITION_METHODS:
+            raise ValueError(f"partition={partition!r}; choose one of {PARTITION_METHODS}")
+        if num_parts is not None and (not isinstance(num_parts, int) or num_parts < 1):
+            raise ValueError(f"num_parts must be a positive int or None, got {num_parts!r}")
+        self.data = data
+        self.num_parts = num_parts
+        self.partition = partition
+        self.cache_dir = cache_dir
+        self.root = root
+        self.seed = seed
+        self.dataset_kwargs = dict(dataset_kwargs or {})
+        self.local_partition: LocalPartition | None = None
+        self.partition_result: PartitionResult | None = None
+        self._folder: Path | None = None
+        self._graph: Data | None = None
+
+    # -- helpers --------------------------------------------------------------------------
+    def _world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        if trainer is None:
+            return 0, 1
+        return trainer.global_rank, trainer.world_size
+
+    def _expected_parts(self) -> int:
+        _, world = self._world()
+        parts = self.num_parts or world
+        if self.trainer is not None and parts != world:
+            raise ValueError(
+                f"FullGraphDataModule(num_parts={parts}) but the trainer runs {world} rank(s); each rank "
+                f"trains one part: set num_parts=None (or {world}), or run with {parts} devices"
+            )
+        return parts
+
+    def _partition_folder_given(self) -> Path | None:
+        if isinstance(self.data, (str, os.PathLike)) and (Path(self.data) / "manifest.json").is_file():
+            return Path(self.data)
+        return None
+
+    def global_graph(self) -> Data:
+        """The whole graph (loaded on first use). Not available for partition-folder data."""
+        if self._graph is None:
+            if self._partition_folder_given() is not None:
+                raise RuntimeError(f"data={self.data!r} is a partition folder: the global graph is not loaded")
+            self._graph = load_graph(self.data, root=self.root, **self.dataset_kwargs)
+        return self._graph
+
+    # -- Lightning hooks ------------------------------------------------------------------
+    def prepare_data(self) -> None:
+        """Partitions the graph into the cache unless a valid partition exists (once per node)."""
+        parts = self._expected_parts()
+        given = self._partition_folder_given()
+        if given is not None:
+            manifest = read_manifest(given)
+            reason = check_manifest(given, {"num_parts": parts})
+            if reason is not None:
+                raise PartitionCacheError(f"cannot use partition folder {given}: {reason}")
+            self._folder = given
+            self.partition_result = PartitionResult(folder=given, rebuilt=False, reason="partition folder given")
+            log.info("using partition folder %s (%s)", given, manifest.get("method"))
+            return
+        graph = self.global_graph()
+        self.partition_result = ensure_partitions(
+            graph, parts, method=self.partition, seed=self.seed, cache_root=self.cache_dir
+        )
+        self._folder = self.partition_result.folder
+
+    def setup(self, stage: str | None = None) -> None:
+        """Loads this rank's part (and only it)."""
+        if self.local_partition is not None:
+            return
+        rank, world = self._world()
+        trainer = self.trainer
+        if trainer is not None and world > 1:
+            from lightning_fullgraph.strategy import FullGraphStrategy
+
+            if not isinstance(trainer.strategy, FullGraphStrategy):
+                raise TypeError(
+                    f"FullGraphDataModule with {world} ranks needs the full-graph strategy: "
+                    f"Trainer(strategy='fullgraph_quant') (got {type(trainer.strategy).__name__})"
+                )
+        if self._folder is None and (trainer is None or rank == 0):
+            if trainer is None or trainer.local_rank == 0:
+                self.prepare_data()
+        folder = self._folder
+        if trainer is not None and world > 1:
+            folder = trainer.strategy.broadcast(folder, src=0)
+        if folder is None:
+            raise RuntimeError("no partition folder: prepare_data() did not run")
+        self._folder = Path(folder)
+        self.local_partition = load_part(self._folder, rank)
+        if self.local_partition.plan.world_size != world:
+            raise PartitionCacheError(
+                f"{self._folder} holds {self.local_partition.plan.world_size} parts but {world} rank(s) run"
+            )
+
+    def move_to(self, device: torch.device | str) -> None:
+        """Moves the local graph to ``device`` once, so no batch is copied per epoch."""
+        if self.local_partition is not None:
+            self.local_partition.data = self.local_partition.data.to(device)
+
+    def _loader(self) -> DataLoader:
+        if self.local_partition is None:
+            raise RuntimeError("call setup() (the Trainer does) before asking for dataloaders")
+        return DataLoader(_OneGraph(self.local_partition.data), batch_size=None, collate_fn=_identity)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    def teardown(self, stage: str | None = None) -> None:
+        # Keep the partition for later fit/validate/test calls of the same trainer.
+        return None

@@ -1,0 +1,19 @@
+"""How standard PyG convs are made partition-aware."""
+
+from lightning_fullgraph.nn.adapters import (
+    HaloContext,
+    UnsupportedConvError,
+    install_adapters,
+    register_conv_adapter,
+    supported_convs,
+    uninstall_adapters,
+)
+
+__all__ = [
+    "HaloContext",
+    "UnsupportedConvError",
+    "install_adapters",
+    "register_conv_adapter",
+    "supported_convs",
+    "uninstall_adapters",
+]

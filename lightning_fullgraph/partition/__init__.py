@@ -1,0 +1,25 @@
+"""Graph partitioning, the per-rank partition plan and the on-disk partition cache."""
+
+from lightning_fullgraph.partition.cache import (
+    PartitionCacheError,
+    PartitionResult,
+    ensure_partitions,
+    graph_fingerprint,
+    load_part,
+)
+from lightning_fullgraph.partition.partitioner import PARTITION_METHODS, partition_graph, partition_stats
+from lightning_fullgraph.partition.plan import HaloPlan, LocalPartition, build_local_partitions
+
+__all__ = [
+    "PARTITION_METHODS",
+    "HaloPlan",
+    "LocalPartition",
+    "PartitionCacheError",
+    "PartitionResult",
+    "build_local_partitions",
+    "ensure_partitions",
+    "graph_fingerprint",
+    "load_part",
+    "partition_graph",
+    "partition_stats",
+]

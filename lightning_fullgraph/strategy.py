@@ -1,0 +1,356 @@
+r"""``FullGraphStrategy``: full-graph GNN training across ranks, one graph partition per rank.
+
+Each rank trains on the partition a :class:`~lightning_fullgraph.FullGraphDataModule` gives
+it.  The strategy patches the module's PyG convs so that every message-passing layer first
+fetches its halo rows from their owners (and, in backward, returns their gradients), then
+synchronises weight gradients so that the update equals the one of a single process on the
+whole graph:
+
+.. math::
+    \nabla_\theta \mathcal{L} = \sum_r \frac{n_r}{n}\, \nabla_\theta \mathcal{L}_r,
+    \qquad \mathcal{L}_r = \frac{1}{n_r}\sum_{i \in \mathcal{T}_r} \ell_i
+
+where :math:`\mathcal{T}_r` are rank :math:`r`'s training nodes, :math:`n_r = |\mathcal{T}_r|`
+and :math:`n = \sum_r n_r`.  Each rank back-propagates :math:`(n_r/n)\,\mathcal{L}_r` (the
+halo backward carries that scaling to the rows' owners) and the gradients are summed with
+one all-reduce.  DDP's wrapper is not used: its bucket all-reduces would average instead and
+would interleave with halo traffic issued from autograd.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_fullgraph.comm.exchange import HaloExchanger
+from lightning_fullgraph.nn.adapters import HaloContext, install_adapters, uninstall_adapters
+
+if TYPE_CHECKING:
+    from lightning_fullgraph.partition.plan import LocalPartition
+
+__all__ = ["FullGraphStrategy", "MODES"]
+
+log = logging.getLogger(__name__)
+
+MODES = ("exact", "adaqp", "sylvie")
+LOSS_WEIGHTINGS = ("train_mask", "mean", "sum")
+
+
+class FullGraphStrategy(DDPStrategy):
+    """Distributed full-graph training with halo exchange between partitions.
+
+    Args:
+        mode: ``"exact"`` (fp32 messages, synchronous: identical to single-process training
+            up to float rounding). ``"adaqp"`` and ``"sylvie"`` (compressed messages) are
+            reserved for the compressed modes.
+        loss_weighting: How per-rank losses combine into the global gradient.
+            ``"train_mask"`` (default): the module's loss is a mean over the rank's nodes in
+            ``batch.<mask_key>``; ranks are weighted by their share of those nodes, giving the
+            gradient of the global mean. ``"mean"``: plain average over ranks (DDP's rule).
+            ``"sum"``: the module already returns its share of a global loss; gradients are
+            summed.
+        mask_key: Node mask that defines the training nodes for ``"train_mask"`` weighting.
+        timeout: Process-group timeout; a rank that dies makes the others fail after it.
+        start_method: ``"popen"`` (default, scripts and CLI), ``"fork"``, ``"spawn"``, ...
+        process_group_backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA); inferred by default.
+        **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (accelerator,
+            parallel_devices, cluster_environment, checkpoint_io, precision_plugin).
+    """
+
+    strategy_name = "fullgraph_quant"
+
+    def __init__(
+        self,
+        mode: Literal["exact", "adaqp", "sylvie"] = "exact",
+        loss_weighting: Literal["train_mask", "mean", "sum"] = "train_mask",
+        mask_key: str = "train_mask",
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        process_group_backend: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"FullGraphStrategy(mode={mode!r}) is not a mode; choose one of {MODES}")
+        if mode != "exact":
+            raise NotImplementedError(
+                f"FullGraphStrategy(mode={mode!r}) is not implemented in this version; use mode='exact'"
+            )
+        if loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f"loss_weighting={loss_weighting!r}; choose one of {LOSS_WEIGHTINGS}")
+        ddp_only = {"find_unused_parameters", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb"}
+        ignored = sorted(ddp_only & kwargs.keys())
+        for key in ignored:
+            kwargs.pop(key)
+        if ignored:
+            rank_zero_warn(f"FullGraphStrategy does not wrap the model in DDP; ignoring {ignored}")
+        super().__init__(
+            timeout=timeout, start_method=start_method, process_group_backend=process_group_backend, **kwargs
+        )
+        self.mode = mode
+        self.loss_weighting = loss_weighting
+        self.mask_key = mask_key
+        self._halo_group: Any = None
+        self._exchanger: HaloExchanger | None = None
+        self._ctx: HaloContext | None = None
+        self._patched: list = []
+        self._loss_scale: float = 1.0
+        self._partition: LocalPartition | None = None
+        self._comm_callback = _CommMetricsLogger(self)
+
+    # -- lifecycle ------------------------------------------------------------------------
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank's dataloader yields its own partition: no sample splitting.
+        return {"num_replicas": 1, "rank": 0}
+
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        if self.world_size > 1:
+            # Halo traffic on its own communicator, created in the same order on every rank.
+            self._halo_group = dist.new_group(backend=self._process_group_backend, timeout=self._timeout)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        from lightning_fullgraph.datamodule import FullGraphDataModule
+
+        datamodule = trainer.datamodule
+        if not isinstance(datamodule, FullGraphDataModule):
+            raise TypeError(
+                "FullGraphStrategy trains on graph partitions and needs a FullGraphDataModule: "
+                "call `trainer.fit(model, datamodule=FullGraphDataModule(data))` (got "
+                f"{type(datamodule).__name__ if datamodule is not None else 'no datamodule'})"
+            )
+        partition = datamodule.local_partition
+        if partition is None:
+            raise RuntimeError("FullGraphDataModule.setup() did not run on this rank")
+        if partition.plan.world_size != self.world_size or partition.plan.rank != self.global_rank:
+            raise ValueError(
+                f"rank {self.global_rank} of {self.world_size} got part {partition.plan.rank} of "
+                f"{partition.plan.world_size}; partition the graph into as many parts as ranks"
+            )
+        self._partition = partition
+        datamodule.move_to(self.root_device)
+        plan = partition.plan.to(self.root_device)
+        self._exchanger = HaloExchanger(plan, group=self._halo_group)
+        self._ctx = HaloContext(self._exchanger)
+        assert self.lightning_module is not None
+        uninstall_adapters(self._patched)
+        self._patched = install_adapters(self.lightning_module, self._ctx)
+        _warn_non_exact_layers(self.lightning_module)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._loss_scale = self._compute_loss_scale(partition)
+        if self._comm_callback not in trainer.callbacks:
+            trainer.callbacks.append(self._comm_callback)
+        super().setup(trainer)
+
+    def _compute_loss_scale(self, partition: LocalPartition) -> float:
+        if self.loss_weighting == "sum":
+            return 1.0
+        if self.loss_weighting == "mean":
+            return 1.0 / self.world_size
+        data = partition.data
+        if self.mask_key not in data:
+            raise KeyError(
+                f"loss_weighting='train_mask' needs a node mask `{self.mask_key}` in the batch; set "
+                f"FullGraphStrategy(mask_key=...) or loss_weighting='mean'"
+            )
+        local = torch.tensor([float(data[self.mask_key].sum())], device=self.root_device)
+        total = self.reduce(local.clone(), reduce_op="sum") if self.world_size > 1 else local
+        if float(total) == 0:
+            raise ValueError(f"no node anywhere is set in `{self.mask_key}`: there is nothing to train on")
+        return float(local) / float(total)
+
+    @override
+    def configure_ddp(self) -> None:
+        # No DDP wrapper (see module docstring); start every rank from rank 0's weights.
+        assert self.model is not None
+        _sync_module_states(self.model)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        super().backward(closure_loss * self._loss_scale, optimizer, *args, **kwargs)
+        return closure_loss
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if self.world_size > 1:
+            self._all_reduce_gradients()
+
+    def _all_reduce_gradients(self) -> None:
+        assert self.lightning_module is not None
+        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+        if not params:
+            return
+        # A parameter may have a gradient on some ranks only (e.g. a branch unused here):
+        # agree first, so that all ranks all-reduce the same buffers.
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=self.root_device)
+        dist.all_reduce(has, op=dist.ReduceOp.MAX)
+        live = [p for p, h in zip(params, has.tolist()) if h]
+        for p in live:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for p in live:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().predict_step(*args, **kwargs)
+        return self.gather_node_outputs(out)
+
+    def gather_node_outputs(self, out: Any) -> Any:
+        """Assembles per-rank node outputs into the global node order.
+
+        Every tensor in ``out`` (nested tuples/lists/dicts too) whose first dimension equals
+        the rank's owned node count is gathered from all ranks and returned with one row per
+        global node, row ``v`` for global node ``v``.  Other values pass through.
+        """
+        from lightning_utilities.core.apply_func import apply_to_collection
+
+        assert self._partition is not None
+        n_id = self._partition.data.n_id.to(self.root_device)
+        n_owned = n_id.numel()
+        num_global = self._partition.num_global_nodes
+
+        def gather(t: Tensor) -> Tensor:
+            if t.dim() == 0 or t.size(0) != n_owned:
+                return t
+            if self.world_size == 1:
+                result = t.new_empty((num_global,) + tuple(t.shape[1:]))
+                result[n_id] = t
+                return result
+            sizes = [int(s) for s in self.all_gather(torch.tensor([n_owned], device=self.root_device)).view(-1)]
+            width = max(sizes)
+            padded = t.new_zeros((width,) + tuple(t.shape[1:]))
+            padded[:n_owned] = t
+            ids = n_id.new_full((width,), -1)
+            ids[:n_owned] = n_id
+            rows = [torch.empty_like(padded) for _ in sizes]
+            all_ids = [torch.empty_like(ids) for _ in sizes]
+            dist.all_gather(rows, padded.contiguous())
+            dist.all_gather(all_ids, ids)
+            result = t.new_empty((num_global,) + tuple(t.shape[1:]))
+            for size, r, i in zip(sizes, rows, all_ids):
+                result[i[:size]] = r[:size]
+            return result
+
+        return apply_to_collection(out, Tensor, gather)
+
+    @override
+    def teardown(self) -> None:
+        uninstall_adapters(self._patched)
+        self._patched = []
+        if self._exchanger is not None:
+            self._exchanger.clear_cache()
+        super().teardown()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        message = str(exception)
+        if any(s in message for s in ("Timed out", "timed out", "Connection closed", "Connection reset")):
+            exception.args = (
+                f"{message}\n\nFullGraphStrategy: another rank stopped taking part in the halo "
+                "exchange (it crashed, was killed, or ran a different number of layers/steps). "
+                "Check the other ranks' logs; every rank must run the same model, and a loss that "
+                "does not depend on the model output on some rank skips its backward exchanges.",
+            ) + tuple(exception.args[1:])
+
+    # -- introspection --------------------------------------------------------------------
+    @property
+    def exchanger(self) -> HaloExchanger | None:
+        """The halo exchanger of this rank (``None`` before setup)."""
+        return self._exchanger
+
+    @property
+    def loss_scale(self) -> float:
+        """Factor this rank's loss is multiplied by before backward."""
+        return self._loss_scale
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        # Registration happens in `lightning_fullgraph.__init__` (Lightning only auto-registers
+        # its own classes).
+        return None
+
+
+_NON_EXACT_NORMS = ("BatchNorm", "GraphNorm", "InstanceNorm", "PairNorm", "DiffGroupNorm", "GraphSizeNorm")
+
+
+def _warn_non_exact_layers(module: torch.nn.Module) -> None:
+    """Warns about layers whose statistics span nodes of several ranks (not exact here)."""
+    from torch_geometric.nn.norm import LayerNorm as PygLayerNorm
+
+    names = set()
+    for m in module.modules():
+        name = type(m).__name__
+        if any(name.startswith(n) or name == n for n in _NON_EXACT_NORMS):
+            names.add(name)
+        if isinstance(m, PygLayerNorm) and getattr(m, "mode", "graph") == "graph":
+            names.add("torch_geometric.nn.LayerNorm(mode='graph')")
+    if names:
+        rank_zero_warn(
+            f"{sorted(names)} normalise over the nodes of a batch; under FullGraphStrategy each rank "
+            "only sees its own partition, so their statistics differ from a single-process run. "
+            "Use per-node normalisation (torch.nn.LayerNorm, or PyG LayerNorm(mode='node')) for "
+            "exact results."
+        )
+
+
+class _CommMetricsLogger(Callback):
+    """Logs halo-traffic counters of the training step, summed over ranks, every epoch.
+
+    Metrics (visible in ``trainer.callback_metrics`` and the loggers):
+    ``comm/bytes_sent``, ``comm/bytes_recv`` (bytes on the wire per epoch, all ranks),
+    ``comm/exchanges`` and ``comm/wait_time`` (seconds blocked in collectives, summed).
+    """
+
+    def __init__(self, strategy: FullGraphStrategy) -> None:
+        self.strategy = strategy
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self.strategy.exchanger is not None:
+            self.strategy.exchanger.stats.reset()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        exchanger = self.strategy.exchanger
+        if exchanger is None:
+            return
+        s = exchanger.stats
+        values = torch.tensor(
+            [s.bytes_sent, s.bytes_recv, s.exchanges, s.wait_time], dtype=torch.float64, device=pl_module.device
+        )
+        if self.strategy.world_size > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        names = ("comm/bytes_sent", "comm/bytes_recv", "comm/exchanges", "comm/wait_time")
+        for name, value in zip(names, values.tolist()):
+            if math.isfinite(value):
+                pl_module.log(name, value, on_step=False, on_epoch=True, reduce_fx="sum", batch_size=1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
