@@ -127,6 +127,7 @@ class FullGraphDataModule(pl.LightningDataModule):
         self.partition_result: PartitionResult | None = None
         self._folder: Path | None = None
         self._graph: Data | None = None
+        self._manifest: dict[str, Any] | None = None
 
     # -- helpers --------------------------------------------------------------------------
     def _world(self) -> tuple[int, int]:
@@ -206,6 +207,25 @@ class FullGraphDataModule(pl.LightningDataModule):
             raise PartitionCacheError(
                 f"{self._folder} holds {self.local_partition.plan.world_size} parts but {world} rank(s) run"
             )
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        """The partition manifest (after ``setup``): sizes, method, fingerprint, per-part counts."""
+        if self._folder is None:
+            raise RuntimeError("call setup() first")
+        if self._manifest is None:
+            self._manifest = read_manifest(self._folder)
+        return self._manifest
+
+    @property
+    def num_features(self) -> int | None:
+        """Input feature width of the graph (after ``setup``)."""
+        return self.manifest.get("num_features")
+
+    @property
+    def num_classes(self) -> int | None:
+        """Number of classes, ``max(y) + 1`` over the whole graph (after ``setup``)."""
+        return self.manifest.get("num_classes")
 
     def move_to(self, device: torch.device | str) -> None:
         """Moves the local graph to ``device`` once, so no batch is copied per epoch."""

@@ -445,7 +445,7 @@ def _file_lock(cache_dir: Path, key: str) -> Iterator[None]:
         lock_dir = cache_dir / ".locks"
         lock_dir.mkdir(parents=True, exist_ok=True)
         digest = hashlib.sha1(key.encode()).hexdigest()[:16]
-        handle = open(lock_dir / f"{digest}.lock", "a")  # noqa: SIM115
+        handle = open(lock_dir / f"{digest}.lock", "a")
     except (ImportError, OSError):
         yield
         return
@@ -666,17 +666,18 @@ def load_dataset(name: str, root: str | os.PathLike[str] | None = None, **kwargs
     dataset_dir = root_path / _dataset_subdir(spec, root_path)
     source = _content_dir(spec, dataset_dir)
     load_root = root_path
-    if not _is_writable(dataset_dir / "processed") and source.is_dir():
+    if not _is_writable(dataset_dir / "processed"):
+        # Process (or download) in the cache; the root itself is never written.
         load_root = (cache_dir / spec.family).absolute()
-        cached_dir = load_root / _dataset_subdir(spec, root_path)
-        with _file_lock(cache_dir, str(cached_dir)):
+    cached_dir = load_root / _dataset_subdir(spec, root_path)
+
+    with _file_lock(cache_dir, str(cached_dir)):
+        if load_root != root_path and source.is_dir():
             _mirror(
                 source,
                 _content_dir(spec, cached_dir),
                 stale_dirs=[cached_dir / "processed"],
                 exclude=("processed",) if spec.family == "ogb" else (),
             )
-
-    with _file_lock(cache_dir, str(load_root / _dataset_subdir(spec, load_root))):
         data, ogb_split = _instantiate(spec, str(load_root), options["planetoid_split"])
     return _finalize(spec, data, ogb_split, options)

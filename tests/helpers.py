@@ -136,3 +136,24 @@ def cpu_trainer(world_size: int, max_epochs: int = 3, **kwargs: Any) -> pl.Train
     )
     defaults.update(kwargs)
     return pl.Trainer(**defaults)
+
+
+def _rank_entry(rank: int, world_size: int, fn: Any, args: tuple) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=30))
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Any, world_size: int, *args: Any) -> None:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks.
+
+    Raises if any child raises or exits with a non-zero status (torch's ProcessContext.join
+    checks every exit code and terminates the other ranks).
+    """
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_rank_entry, args=(world_size, fn, args), nprocs=world_size, start_method="fork", join=True)

@@ -100,6 +100,17 @@ def graph_fingerprint(data: Data) -> str:
     return h.hexdigest()
 
 
+def graph_summary(data: Data) -> dict[str, Any]:
+    """Sizes a model needs without loading the graph: ``num_features`` and ``num_classes``
+    (``None`` where the graph has no ``x`` / integer ``y``)."""
+    x, y = data.get("x"), data.get("y")
+    num_features = int(x.size(-1)) if isinstance(x, Tensor) and x.dim() == 2 else None
+    num_classes = None
+    if isinstance(y, Tensor) and not y.is_floating_point() and y.numel():
+        num_classes = int(y.max()) + 1 if y.dim() == 1 else int(y.size(-1))
+    return {"num_features": num_features, "num_classes": num_classes}
+
+
 def _file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -269,6 +280,7 @@ def ensure_partitions(
         "num_nodes": int(data.num_nodes),
         "num_edges": int(data.edge_index.size(1)),
         "total_halo": int(sum(p.plan.num_halo for p in partitions)),
+        **graph_summary(data),
     }
     write_partitions(folder, partitions, meta)
     return PartitionResult(folder=folder, rebuilt=True, reason=reason, seconds=time.perf_counter() - start)

@@ -19,7 +19,11 @@ from torch_geometric.utils import contains_self_loops, degree, homophily, is_und
 
 from lightning_fullgraph.datasets import CACHE_ENV_VAR, community_graph, dataset_names, load_dataset
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "datasets"
+# ../shared/datasets beside the repo (LIGHTNING_FULLGRAPH_SHARED overrides ../shared, as in conftest.py).
+SHARED = (
+    Path(os.environ.get("LIGHTNING_FULLGRAPH_SHARED", Path(__file__).resolve().parents[2].parent / "shared"))
+    / "datasets"
+)
 
 # (name, loader root relative to SHARED, raw folder relative to SHARED, num_nodes, num_classes)
 OFFLINE = [
@@ -375,6 +379,13 @@ def test_read_only_root_is_mirrored(tmp_path: Path) -> None:
         mtime = processed.stat().st_mtime_ns
         load_dataset("Cora", root, cache_dir=cache)  # second load reuses the cache
         assert processed.stat().st_mtime_ns == mtime
+        # A changed raw file invalidates the mirrored copy and its processed data.
+        changed = root / "Cora" / "raw" / "ind.cora.y"
+        os.utime(changed, (changed.stat().st_atime, changed.stat().st_mtime - 100))
+        assert load_dataset("Cora", root, cache_dir=cache).num_nodes == 2708
+        assert processed.stat().st_mtime_ns != mtime
+        cached = cache / "Planetoid" / "Cora" / "raw" / "ind.cora.y"
+        assert int(cached.stat().st_mtime) == int(changed.stat().st_mtime)
     finally:
         _set_tree_mode(root, 0o755)
 
