@@ -56,8 +56,22 @@ class FullGraphStrategy(DDPStrategy):
 
     Args:
         mode: ``"exact"`` (fp32 messages, synchronous: identical to single-process training
-            up to float rounding). ``"adaqp"`` and ``"sylvie"`` (compressed messages) are
-            reserved for the compressed modes.
+            up to float rounding). ``"adaqp"``: training messages (forward rows and backward
+            gradients) travel stochastically quantized, unbiased, at bit-widths assigned
+            adaptively (AdaQP); evaluation exchanges stay fp32. ``"sylvie"``: not yet
+            implemented.
+        bits: ``"adaptive"`` (adaqp default: uniform 8 bits until the first assignment, then
+            AdaQP's MILP every ``assign_every`` epochs) or a fixed 1/2/4/8. Must be ``None``
+            in exact mode.
+        assign_every: Epochs between bit-width re-assignments (adaptive).
+        lambda_: Weight of variance against time in the assignment objective, in [0, 1].
+        group_size: Rows per group sharing one bit-width in the assignment.
+        seed: Seed of the stochastic rounding (rank ``r`` uses ``seed + r``).
+        overlap: Central/marginal overlap: owned nodes without a remote in-neighbour are
+            aggregated while the halo exchange is in flight (forward; in backward the halo
+            gradients travel while the central part's backward runs). Exact. Default: on in
+            adaqp mode, off in exact mode. Applies to GCN, SAGE, GIN and GraphConv layers
+            (GAT layers always run synchronously).
         loss_weighting: How per-rank losses combine into the global gradient.
             ``"train_mask"`` (default): the module's loss is a mean over the rank's nodes in
             ``batch.<mask_key>``; ranks are weighted by their share of those nodes, giving the
@@ -77,6 +91,12 @@ class FullGraphStrategy(DDPStrategy):
     def __init__(
         self,
         mode: Literal["exact", "adaqp", "sylvie"] = "exact",
+        bits: int | str | None = None,
+        assign_every: int = 50,
+        lambda_: float = 0.5,
+        group_size: int = 100,
+        seed: int = 0,
+        overlap: bool | None = None,
         loss_weighting: Literal["train_mask", "mean", "sum"] = "train_mask",
         mask_key: str = "train_mask",
         timeout: timedelta | None = default_pg_timeout,
@@ -86,10 +106,20 @@ class FullGraphStrategy(DDPStrategy):
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"FullGraphStrategy(mode={mode!r}) is not a mode; choose one of {MODES}")
-        if mode != "exact":
+        if mode == "sylvie":
             raise NotImplementedError(
-                f"FullGraphStrategy(mode={mode!r}) is not implemented in this version; use mode='exact'"
+                "FullGraphStrategy(mode='sylvie') is not implemented in this version; use mode='exact' or 'adaqp'"
             )
+        if mode == "exact" and bits is not None:
+            raise ValueError("mode='exact' sends fp32; drop `bits` or use mode='adaqp'")
+        if mode == "adaqp":
+            bits = "adaptive" if bits is None else bits
+            if bits != "adaptive" and bits not in (1, 2, 4, 8):
+                raise ValueError(f"bits={bits!r}; use 'adaptive' or one of 1, 2, 4, 8")
+        if assign_every < 1 or group_size < 1:
+            raise ValueError("assign_every and group_size must be >= 1")
+        if not 0.0 <= lambda_ <= 1.0:
+            raise ValueError(f"lambda_ must lie in [0, 1], got {lambda_}")
         if loss_weighting not in LOSS_WEIGHTINGS:
             raise ValueError(f"loss_weighting={loss_weighting!r}; choose one of {LOSS_WEIGHTINGS}")
         ddp_only = {"find_unused_parameters", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb"}
@@ -102,6 +132,14 @@ class FullGraphStrategy(DDPStrategy):
             timeout=timeout, start_method=start_method, process_group_backend=process_group_backend, **kwargs
         )
         self.mode = mode
+        self.bits = bits
+        self.assign_every = assign_every
+        self.lambda_ = lambda_
+        self.group_size = group_size
+        self.seed = seed
+        self.overlap = (mode == "adaqp") if overlap is None else bool(overlap)
+        self._link_costs: dict | None = None
+        self._send_weights: Tensor | None = None
         self.loss_weighting = loss_weighting
         self.mask_key = mask_key
         self._halo_group: Any = None
@@ -148,8 +186,19 @@ class FullGraphStrategy(DDPStrategy):
         self._partition = partition
         datamodule.move_to(self.root_device)
         plan = partition.plan.to(self.root_device)
-        self._exchanger = HaloExchanger(plan, group=self._halo_group)
-        self._ctx = HaloContext(self._exchanger)
+        generator = torch.Generator(device=self.root_device).manual_seed(self.seed + self.global_rank)
+        uniform_bits = None if self.bits is None else (8 if self.bits == "adaptive" else int(self.bits))
+        self._exchanger = HaloExchanger(plan, group=self._halo_group, bits=uniform_bits, generator=generator)
+        for key in partition.data.keys():
+            value = partition.data[key]
+            if isinstance(value, Tensor) and value.dim() > 0 and value.size(0) == plan.num_owned:
+                self._exchanger.register_static(value)
+        self._ctx = HaloContext(self._exchanger, overlap=self.overlap)
+        if self.bits == "adaptive" and trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
+            from lightning_fullgraph.comm.adaptive import measure_link_costs, receiver_weights
+
+            self._link_costs = measure_link_costs(self._halo_group, self.global_rank, self.world_size)
+            self._send_weights = receiver_weights(self._exchanger, partition.data.edge_index)
         assert self.lightning_module is not None
         uninstall_adapters(self._patched)
         self._patched = install_adapters(self.lightning_module, self._ctx)
@@ -280,6 +329,31 @@ class FullGraphStrategy(DDPStrategy):
                 "does not depend on the model output on some rank skips its backward exchanges.",
             ) + tuple(exception.args[1:])
 
+    def _maybe_assign_bits(self, epoch: int) -> dict[str, float] | None:
+        """Re-assigns bit-widths every ``assign_every`` epochs (adaptive adaqp; collective)."""
+        exchanger = self._exchanger
+        if (
+            self.bits != "adaptive"
+            or exchanger is None
+            or self._link_costs is None
+            or self._send_weights is None
+            or epoch == 0
+            or epoch % self.assign_every
+            or not exchanger.row_range
+        ):
+            return None
+        from lightning_fullgraph.comm.adaptive import assign_layer_bits
+
+        return assign_layer_bits(
+            exchanger,
+            self._halo_group,
+            self._link_costs,
+            self._send_weights,
+            exchanger.layer_dims,
+            lambda_=self.lambda_,
+            group_size=self.group_size,
+        )
+
     # -- introspection --------------------------------------------------------------------
     @property
     def exchanger(self) -> HaloExchanger | None:
@@ -332,23 +406,45 @@ class _CommMetricsLogger(Callback):
 
     def __init__(self, strategy: FullGraphStrategy) -> None:
         self.strategy = strategy
+        self._assign: dict[str, float] | None = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if self.strategy.exchanger is not None:
-            self.strategy.exchanger.stats.reset()
+        exchanger = self.strategy.exchanger
+        if exchanger is None:
+            return
+        exchanger.stats.reset()
+        self._assign = self.strategy._maybe_assign_bits(trainer.current_epoch)
+        exchanger.begin_step(compress=True)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         exchanger = self.strategy.exchanger
         if exchanger is None:
             return
+        exchanger.begin_step(compress=False)
         s = exchanger.stats
-        values = torch.tensor(
-            [s.bytes_sent, s.bytes_recv, s.exchanges, s.wait_time], dtype=torch.float64, device=pl_module.device
-        )
+        layers = sorted(k for k in s.layer_values if k >= 0)
+        # one all-reduce for every figure: sums over ranks
+        raw = [s.bytes_sent, s.bytes_recv, s.exchanges, s.wait_time, s.quant_time, s.bits_sent, s.values_sent]
+        raw += [s.layer_bits[k] for k in layers] + [s.layer_values[k] for k in layers]
+        values = torch.tensor(raw, dtype=torch.float64, device=pl_module.device)
         if self.strategy.world_size > 1:
             dist.all_reduce(values, op=dist.ReduceOp.SUM)
-        names = ("comm/bytes_sent", "comm/bytes_recv", "comm/exchanges", "comm/wait_time")
-        for name, value in zip(names, values.tolist()):
+        v = values.tolist()
+        figures = {
+            "comm/bytes_sent": v[0],
+            "comm/bytes_recv": v[1],
+            "comm/exchanges": v[2],
+            "comm/wait_time": v[3],
+            "comm/quant_time": v[4],
+            "comm/bits": v[5] / v[6] if v[6] else 0.0,
+        }
+        n = len(layers)
+        for i, k in enumerate(layers):
+            figures[f"comm/bits_layer{k}"] = v[7 + i] / v[7 + n + i] if v[7 + n + i] else 0.0
+        if self._assign:
+            figures["comm/assign_time"] = self._assign["assign_time"]
+            figures["comm/assign_solve_time"] = self._assign["solve_time"]
+        for name, value in figures.items():
             if math.isfinite(value):
                 pl_module.log(name, value, on_step=False, on_epoch=True, reduce_fx="sum", batch_size=1)
 

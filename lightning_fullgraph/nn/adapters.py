@@ -76,9 +76,46 @@ class HaloContext:
         exchanger: Moves halo rows for this rank.
     """
 
-    def __init__(self, exchanger: HaloExchanger) -> None:
+    def __init__(self, exchanger: HaloExchanger, overlap: bool = False) -> None:
         self.exchanger = exchanger
+        self.overlap = overlap
         self._norm_cache: dict[tuple, tuple[weakref.ref, Any, tuple[Tensor, Tensor]]] = {}
+        self._split_cache: tuple[weakref.ref, int, int, Any] | None = None
+
+    def split(self, edge_index: Tensor, weight: Tensor | None = None) -> _Split | None:
+        """Central/marginal split of the local edges, or ``None`` when overlap cannot help.
+
+        Central nodes: owned nodes without a halo in-neighbour; their edges (sources all
+        owned) are aggregated while the exchange is in flight.  Marginal nodes: the rest.
+        Destinations are renumbered within each set.
+        """
+        cached = self._split_cache
+        if (
+            cached is not None
+            and cached[0]() is edge_index
+            and cached[1] == edge_index._version
+            and cached[2] == (id(weight) if weight is not None else 0)
+        ):
+            return cached[3]
+        n = self.num_owned
+        src, dst = edge_index[0], edge_index[1]
+        marginal = torch.zeros(n, dtype=torch.bool, device=edge_index.device)
+        marginal[dst[src >= n]] = True
+        central_idx = (~marginal).nonzero().flatten()
+        marginal_idx = marginal.nonzero().flatten()
+        result = None
+        if central_idx.numel() and marginal_idx.numel():
+            pos = torch.empty(n, dtype=torch.long, device=edge_index.device)
+            pos[central_idx] = torch.arange(central_idx.numel(), device=edge_index.device)
+            pos[marginal_idx] = torch.arange(marginal_idx.numel(), device=edge_index.device)
+            to_m = marginal[dst]
+            ei_c = torch.stack([src[~to_m], pos[dst[~to_m]]])
+            ei_m = torch.stack([src[to_m], pos[dst[to_m]]])
+            w_c = weight[~to_m] if weight is not None else None
+            w_m = weight[to_m] if weight is not None else None
+            result = _Split(central_idx, marginal_idx, ei_c, ei_m, w_c, w_m)
+        self._split_cache = (weakref.ref(edge_index), edge_index._version, id(weight) if weight is not None else 0, result)
+        return result
 
     @property
     def num_owned(self) -> int:
@@ -143,7 +180,7 @@ class HaloContext:
         row, col = edge_index[0], edge_index[1]
         deg = scatter(edge_weight, col, dim=0, dim_size=n, reduce="sum")
         # Halo degrees are only known to their owners: they travel like any other row.
-        deg_full = self.exchanger.exchange(deg.unsqueeze(-1)).squeeze(-1)
+        deg_full = self.exchanger.exchange(deg.unsqueeze(-1), exact=True).squeeze(-1)
         deg_inv_sqrt = deg_full.pow(-0.5)
         deg_inv_sqrt = deg_inv_sqrt.masked_fill(deg_inv_sqrt == float("inf"), 0.0)
         result = (edge_index, deg_inv_sqrt[row] * edge_weight * deg_inv_sqrt[col])
@@ -157,11 +194,31 @@ class HaloContext:
 # -- adapters ---------------------------------------------------------------------------
 
 
+class _Split:
+    __slots__ = ("central", "marginal", "ei_c", "ei_m", "w_c", "w_m")
+
+    def __init__(self, central, marginal, ei_c, ei_m, w_c, w_m) -> None:
+        self.central, self.marginal, self.ei_c, self.ei_m, self.w_c, self.w_m = central, marginal, ei_c, ei_m, w_c, w_m
+
+
+def _merge(n: int, split: _Split, out_c: Tensor, out_m: Tensor) -> Tensor:
+    out = out_c.new_zeros((n,) + tuple(out_c.shape[1:]))
+    return out.index_copy(0, split.central, out_c).index_copy(0, split.marginal, out_m)
+
+
 def _bipartite(conv, forward, ctx: HaloContext, x: Tensor, edge_index, args: tuple, kwargs: dict):
     if kwargs.get("size") is not None:
         raise ValueError(f"{type(conv).__name__}: do not pass `size=` under FullGraphStrategy; it is set for you")
-    kwargs["size"] = (ctx.num_full, ctx.num_owned)
-    return forward((ctx.exchange(x), x), edge_index, *args, **kwargs)
+    split = ctx.split(edge_index) if ctx.overlap and not args and not kwargs else None
+    if split is None:
+        kwargs["size"] = (ctx.num_full, ctx.num_owned)
+        return forward((ctx.exchange(x), x), edge_index, *args, **kwargs)
+    # Central rows need no halo: aggregate them while the exchange is in flight.
+    pending = ctx.exchanger.exchange_async(x)
+    out_c = forward((x, x[split.central]), split.ei_c, size=(ctx.num_owned, split.central.numel()))
+    x_full = torch.cat([x, pending.wait()], dim=0)
+    out_m = forward((x_full, x[split.marginal]), split.ei_m, size=(ctx.num_full, split.marginal.numel()))
+    return _merge(ctx.num_owned, split, out_c, out_m)
 
 
 def _slice_output(out: Any, n: int) -> Any:
@@ -185,6 +242,17 @@ def _gcn(conv: GCNConv, forward, ctx: HaloContext, x: Tensor, edge_index, args: 
     if conv.flow != "source_to_target":
         raise UnsupportedConvError("GCNConv with flow='target_to_source' is not supported by FullGraphStrategy")
     edge_index, weight = ctx.gcn_norm(edge_index, edge_weight, conv.improved, conv.add_self_loops, x.dtype)
+    split = ctx.split(edge_index, weight) if ctx.overlap else None
+    if split is not None:
+        # out = A_hat (X W) + b, computed as central rows (owned sources only) while the halo
+        # is in flight, then marginal rows; lin is applied once per row.
+        pending = ctx.exchanger.exchange_async(x)
+        h = conv.lin(x)
+        out_c = conv.propagate(split.ei_c, x=h, edge_weight=split.w_c, size=(ctx.num_owned, split.central.numel()))
+        h_full = torch.cat([h, conv.lin(pending.wait())], dim=0)
+        out_m = conv.propagate(split.ei_m, x=h_full, edge_weight=split.w_m, size=(ctx.num_full, split.marginal.numel()))
+        out = _merge(ctx.num_owned, split, out_c, out_m)
+        return out + conv.bias if conv.bias is not None else out
     # The conv's own code does lin/propagate/bias; only its normalisation is replaced.
     conv.normalize = False
     try:

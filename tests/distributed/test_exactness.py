@@ -44,3 +44,17 @@ def test_weights_equal_single_process(conv: str, world_size: int, tmp_path) -> N
     assert actual.keys() == expected.keys()
     for key in expected:
         torch.testing.assert_close(actual[key], expected[key], msg=lambda m, k=key: f"{conv} W={world_size} {k}: {m}")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("conv", ["gcn", "sage", "gin", "graph", "gat"])
+def test_overlap_with_fp32_messages_equals_exact(conv: str, tmp_path) -> None:
+    """Central/marginal overlap (fp32 messages) against the single-process ground truth."""
+    data = without_training_nodes_on_last_rank(directed_graph(seed=11), 3)
+    torch.manual_seed(0)
+    model = NodeClassifier(conv=conv, layer_norm=True, num_layers=3)
+    expected = reference_training(copy.deepcopy(model), data, STEPS)
+    trainer = cpu_trainer(3, max_epochs=STEPS, strategy_kwargs={"overlap": True})
+    trainer.fit(model, datamodule=FullGraphDataModule(data, cache_dir=tmp_path))
+    for key in expected:
+        torch.testing.assert_close(model.state_dict()[key], expected[key], msg=lambda m, k=key: f"{conv} {k}: {m}")

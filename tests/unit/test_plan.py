@@ -65,7 +65,7 @@ def test_simulated_all_to_all_fills_the_halo(num_parts: int) -> None:
     data, parts, locals_ = _partitions(num_parts)
     for r, p in enumerate(locals_):
         received = []
-        for q, other in enumerate(locals_):
+        for other in locals_:
             offsets = [0] + torch.cumsum(torch.tensor(other.plan.send_counts), 0).tolist()
             rows = other.plan.send_index[offsets[r] : offsets[r + 1]]
             received.append(other.data.n_id[rows])

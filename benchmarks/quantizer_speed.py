@@ -1,0 +1,130 @@
+"""Speed of the halo-row quantizer (``lightning_fullgraph.comm.quantize``).
+
+Prints, for 1/2/4/8 bits, GB/s of float32 *input* (``rows * cols * 4`` bytes per call) for
+
+* ``q+pack``   -- ``quantize`` (row min/max, stochastic rounding, packing, metadata),
+* ``unpack+dq``-- ``dequantize`` into a fresh tensor, and ``dq(out=)`` into a reused one,
+* ``naive q`` / ``naive dq`` -- a straightforward torch implementation (float ``torch.rand``
+  dither, full-size temporaries, shift-and-or packing over strided views),
+
+beside ``x.clone()`` (allocate + copy) and ``copy_`` into an existing tensor.  Every figure is
+the median of ``--repeats`` calls after a warm-up call.  ``--timer cpu`` measures the thread's
+CPU time instead of wall-clock time, which is steadier when other processes share the cores.
+
+    python benchmarks/quantizer_speed.py --rows 100000 --cols 256 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from lightning_fullgraph.comm.quantize import dequantize, quantize
+
+
+# -- naive reference (what a first port of AdaQP/Sylvie looks like) -------------------------
+def naive_quantize(x: torch.Tensor, bits: int, generator: torch.Generator | None = None):
+    levels = 2**bits - 1
+    mn = x.min(dim=1, keepdim=True).values
+    mx = x.max(dim=1, keepdim=True).values
+    rng = mx - mn
+    scale = torch.where(rng > 0, levels / rng, torch.zeros_like(rng))
+    t = (x - mn) * scale + torch.rand(x.shape, generator=generator, device=x.device)
+    q = t.floor().clamp_(0, levels).to(torch.uint8)
+    per = 8 // bits
+    pad = (-x.shape[1]) % per
+    if pad:
+        q = torch.nn.functional.pad(q, (0, pad))
+    q = q.view(x.shape[0], -1, per)
+    packed = q[..., 0].clone()
+    for i in range(1, per):
+        packed |= q[..., i] << (bits * i)
+    return packed, mn.squeeze(1), rng.squeeze(1)
+
+
+def naive_dequantize(packed: torch.Tensor, mn: torch.Tensor, rng: torch.Tensor, bits: int, cols: int):
+    levels = 2**bits - 1
+    per = 8 // bits
+    mask = levels
+    parts = [(packed >> (bits * i)) & mask for i in range(per)]
+    q = torch.stack(parts, dim=-1).reshape(packed.shape[0], -1)[:, :cols]
+    return mn[:, None] + q.float() * (rng / levels)[:, None]
+
+
+# -- timing ---------------------------------------------------------------------------------
+def measure(fn: Callable[[], object], repeats: int, timer: Callable[[], float]) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = timer()
+        fn()
+        times.append(timer() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--cols", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--bits", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--timer", choices=["wall", "cpu"], default="wall")
+    parser.add_argument("--no-naive", action="store_true", help="skip the (slow) naive reference")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        if args.timer == "cpu":
+            raise SystemExit("--timer cpu is meaningless on cuda")
+
+        def timer() -> float:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+    else:
+        timer = time.perf_counter if args.timer == "wall" else time.thread_time
+
+    x = torch.randn(args.rows, args.cols, device=dev)
+    gb = x.numel() * 4 / 1e9
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def rate(fn: Callable[[], object]) -> float:
+        return gb / measure(fn, args.repeats, timer)
+
+    scratch = torch.empty_like(x)
+    print(
+        f"# {args.rows} x {args.cols} float32 ({gb * 1e3:.1f} MB), threads={torch.get_num_threads()}, "
+        f"device={dev}, timer={args.timer}, median of {args.repeats}; GB/s of float32 input"
+    )
+    print(f"x.clone()       {rate(lambda: x.clone()):7.2f} GB/s")
+    print(f"copy_ (no alloc){rate(lambda: scratch.copy_(x)):7.2f} GB/s")
+    header = f"{'bits':>4} {'q+pack':>8} {'unpack+dq':>10} {'dq(out=)':>9}"
+    if not args.no_naive:
+        header += f" {'naive q':>8} {'naive dq':>9} {'speedup q/dq':>13}"
+    header += f" {'bytes/row':>9}"
+    print(header)
+    for bits in args.bits:
+        q = quantize(x, bits, gen)
+        r_q = rate(lambda bits=bits: quantize(x, bits, gen))
+        r_dq = rate(lambda q=q: dequantize(q))
+        r_dqo = rate(lambda q=q: dequantize(q, out=scratch))
+        line = f"{bits:>4} {r_q:8.2f} {r_dq:10.2f} {r_dqo:9.2f}"
+        if not args.no_naive:
+            packed, mn, rng = naive_quantize(x, bits, gen)
+            n_q = rate(lambda bits=bits: naive_quantize(x, bits, gen))
+            n_dq = rate(
+                lambda bits=bits, p=packed, a=mn, b=rng: naive_dequantize(p, a, b, bits, args.cols)
+            )
+            line += f" {n_q:8.2f} {n_dq:9.2f} {r_q / n_q:6.1f}x/{r_dq / n_dq:4.1f}x"
+        line += f" {q.buffer.shape[1]:9d}"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
