@@ -67,7 +67,9 @@ def measure(fn: Callable[[], object], repeats: int, timer: Callable[[], float]) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--cols", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
@@ -118,9 +120,7 @@ def main() -> None:
         if not args.no_naive:
             packed, mn, rng = naive_quantize(x, bits, gen)
             n_q = rate(lambda bits=bits: naive_quantize(x, bits, gen))
-            n_dq = rate(
-                lambda bits=bits, p=packed, a=mn, b=rng: naive_dequantize(p, a, b, bits, args.cols)
-            )
+            n_dq = rate(lambda bits=bits, p=packed, a=mn, b=rng: naive_dequantize(p, a, b, bits, args.cols))
             line += f" {n_q:8.2f} {n_dq:9.2f} {r_q / n_q:6.1f}x/{r_dq / n_dq:4.1f}x"
         line += f" {q.buffer.shape[1]:9d}"
         print(line, flush=True)

@@ -1,8 +1,8 @@
 """lightning-fullgraph: distributed full-graph GNN training for PyTorch Lightning.
 
-Importing the package registers the strategies ``"fullgraph_quant"`` and
-``"fullgraph_exact"`` with Lightning's strategy registry, so that
-``Trainer(strategy="fullgraph_quant")`` works.
+Importing the package registers the strategies ``"fullgraph_quant"`` (AdaQP mode: quantized
+halo messages, adaptive bit-widths, overlap) and ``"fullgraph_exact"`` (fp32, synchronous)
+with Lightning's strategy registry, so that ``Trainer(strategy="fullgraph_quant")`` works.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
@@ -32,7 +32,10 @@ __all__ = [
 
 def _register() -> None:
     entries = {
-        "fullgraph_quant": ("Full-graph training over graph partitions (default mode)", {}),
+        "fullgraph_quant": (
+            "Full-graph training over graph partitions, AdaQP-quantized halo messages",
+            {"mode": "adaqp"},
+        ),
         "fullgraph_exact": ("Full-graph training over graph partitions, exact fp32 halo exchange", {"mode": "exact"}),
     }
     for name, (description, params) in entries.items():

@@ -30,6 +30,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from types import MethodType
@@ -99,30 +100,24 @@ class FullGraphCLI(LightningCLI):
 
     # -- parser -----------------------------------------------------------------------------
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        """Sets the trainer and model defaults (see :data:`TRAINER_DEFAULTS`)."""
+        """Sets the trainer and model defaults (see :data:`TRAINER_DEFAULTS`); adds
+        ``--test_after_fit`` and ``--predictions_path``."""
         parser.set_defaults({f"trainer.{key}": value for key, value in TRAINER_DEFAULTS.items()})
         if self.subclass_mode_model and self.model_class is not None:
             parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}})
-
-    def _prepare_subcommand_parser(
-        self, klass: type, subcommand: str, **kwargs: Any
-    ) -> LightningArgumentParser:
-        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
-        if subcommand == "fit":
-            parser.add_argument(
-                "--test_after_fit",
-                type=bool,
-                default=True,
-                help="After training, test the final weights (skipped if the model has no test_step).",
-            )
-        elif subcommand == "predict":
-            parser.add_argument(
-                "--predictions_path",
-                type=str | None,
-                default=None,
-                help="Save the predictions (one row per global node, in node order) here with torch.save.",
-            )
-        return parser
+        # Accepted by every subcommand, so that one config file serves fit, test and predict.
+        parser.add_argument(
+            "--test_after_fit",
+            type=bool,
+            default=True,
+            help="fit: afterwards, test the final weights (skipped if the model has no test_step).",
+        )
+        parser.add_argument(
+            "--predictions_path",
+            type=str | None,
+            default=None,
+            help="predict: save the predictions (one row per global node, in node order) here with torch.save.",
+        )
 
     # -- lazy optimizers --------------------------------------------------------------------
     def _add_configure_optimizers_method_to_model(self, subcommand: str | None) -> None:
@@ -407,6 +402,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     import lightning_fullgraph  # noqa: F401  (registers "fullgraph_quant" / "fullgraph_exact")
 
+    # Lightning 2.6.6 on torch >= 2.13 warns about a torch-internal rename on every step.
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "partition":
         return partition_main(args[1:])

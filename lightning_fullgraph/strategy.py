@@ -58,11 +58,21 @@ class FullGraphStrategy(DDPStrategy):
         mode: ``"exact"`` (fp32 messages, synchronous: identical to single-process training
             up to float rounding). ``"adaqp"``: training messages (forward rows and backward
             gradients) travel stochastically quantized, unbiased, at bit-widths assigned
-            adaptively (AdaQP); evaluation exchanges stay fp32. ``"sylvie"``: not yet
-            implemented.
+            adaptively (AdaQP); evaluation exchanges stay fp32. ``"sylvie"``: one-bit messages
+            (``bits`` can raise it) over an asynchronous pipeline: layers consume the halo rows
+            and gradients sent one epoch earlier while this epoch's travel in the background;
+            every ``staleness``-th epoch is synchronous.
         bits: ``"adaptive"`` (adaqp default: uniform 8 bits until the first assignment, then
-            AdaQP's MILP every ``assign_every`` epochs) or a fixed 1/2/4/8. Must be ``None``
-            in exact mode.
+            AdaQP's MILP every ``assign_every`` epochs) or a fixed 1/2/4/8 (sylvie default 1;
+            32 sends fp32 through the sylvie pipeline). Must be ``None`` in exact mode.
+        staleness: Sylvie's bound ``eps >= 1``: every ``eps``-th epoch is synchronous, so no
+            halo value or gradient used is more than ``eps - 1`` epochs old.
+        smoothing: PipeGCN momentum ``gamma`` for stale values (sylvie; ``None``: off).
+        smooth: ``"features"``, ``"gradients"`` or ``"both"`` (what smoothing applies to).
+        epoch_adaptive: Sylvie's epoch-adaptive rule: when the global training loss stalls
+            (improves by less than ``adaptive_tolerance`` relative), double the bits (up to 8)
+            and go synchronous; when it improves, halve them (down to 1) and go asynchronous.
+        adaptive_tolerance: Relative loss improvement below which the loss counts as stalled.
         assign_every: Epochs between bit-width re-assignments (adaptive).
         lambda_: Weight of variance against time in the assignment objective, in [0, 1].
         group_size: Rows per group sharing one bit-width in the assignment.
@@ -97,6 +107,11 @@ class FullGraphStrategy(DDPStrategy):
         group_size: int = 100,
         seed: int = 0,
         overlap: bool | None = None,
+        staleness: int = 5,
+        smoothing: float | None = None,
+        smooth: Literal["features", "gradients", "both"] = "both",
+        epoch_adaptive: bool = False,
+        adaptive_tolerance: float = 1e-3,
         loss_weighting: Literal["train_mask", "mean", "sum"] = "train_mask",
         mask_key: str = "train_mask",
         timeout: timedelta | None = default_pg_timeout,
@@ -107,9 +122,13 @@ class FullGraphStrategy(DDPStrategy):
         if mode not in MODES:
             raise ValueError(f"FullGraphStrategy(mode={mode!r}) is not a mode; choose one of {MODES}")
         if mode == "sylvie":
-            raise NotImplementedError(
-                "FullGraphStrategy(mode='sylvie') is not implemented in this version; use mode='exact' or 'adaqp'"
-            )
+            bits = 1 if bits is None else bits
+            if bits not in (1, 2, 4, 8, 32):
+                raise ValueError(f"bits={bits!r}; sylvie mode takes 1, 2, 4, 8 or 32")
+            if staleness < 1:
+                raise ValueError(f"staleness must be >= 1, got {staleness}")
+            if smoothing is not None and not 0.0 <= smoothing < 1.0:
+                raise ValueError(f"smoothing must lie in [0, 1), got {smoothing}")
         if mode == "exact" and bits is not None:
             raise ValueError("mode='exact' sends fp32; drop `bits` or use mode='adaqp'")
         if mode == "adaqp":
@@ -138,6 +157,15 @@ class FullGraphStrategy(DDPStrategy):
         self.group_size = group_size
         self.seed = seed
         self.overlap = (mode == "adaqp") if overlap is None else bool(overlap)
+        self.staleness = staleness
+        self.smoothing = smoothing
+        self.smooth = smooth
+        self.epoch_adaptive = epoch_adaptive
+        self.adaptive_tolerance = adaptive_tolerance
+        self._failed = False
+        self._step_loss: Tensor | None = None
+        self._last_loss: float | None = None
+        self._pending_state: dict[str, Any] | None = None
         self._link_costs: dict | None = None
         self._send_weights: Tensor | None = None
         self.loss_weighting = loss_weighting
@@ -193,6 +221,10 @@ class FullGraphStrategy(DDPStrategy):
             value = partition.data[key]
             if isinstance(value, Tensor) and value.dim() > 0 and value.size(0) == plan.num_owned:
                 self._exchanger.register_static(value)
+        if self.mode == "sylvie":
+            from lightning_fullgraph.comm.staleness import StalenessState
+
+            self._exchanger.staleness = StalenessState(self.staleness, self.smoothing, self.smooth)
         self._ctx = HaloContext(self._exchanger, overlap=self.overlap)
         if self.bits == "adaptive" and trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
             from lightning_fullgraph.comm.adaptive import measure_link_costs, receiver_weights
@@ -234,7 +266,9 @@ class FullGraphStrategy(DDPStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        super().backward(closure_loss * self._loss_scale, optimizer, *args, **kwargs)
+        scaled = closure_loss * self._loss_scale
+        self._step_loss = scaled.detach()
+        super().backward(scaled, optimizer, *args, **kwargs)
         return closure_loss
 
     @override
@@ -311,6 +345,11 @@ class FullGraphStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._exchanger is not None and self._exchanger.staleness is not None:
+            if self._failed:
+                self._exchanger.staleness.abandon()  # a peer may be gone: never wait
+            else:
+                self._exchanger.staleness.drain()
         uninstall_adapters(self._patched)
         self._patched = []
         if self._exchanger is not None:
@@ -319,6 +358,7 @@ class FullGraphStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
         super().on_exception(exception)
         message = str(exception)
         if any(s in message for s in ("Timed out", "timed out", "Connection closed", "Connection reset")):
@@ -353,6 +393,58 @@ class FullGraphStrategy(DDPStrategy):
             lambda_=self.lambda_,
             group_size=self.group_size,
         )
+
+    def _epoch_adaptive_update(self) -> dict[str, float]:
+        """Sylvie's epoch-adaptive rule, on the global loss (identical on every rank)."""
+        exchanger = self._exchanger
+        if not (self.epoch_adaptive and exchanger is not None and exchanger.staleness is not None):
+            return {}
+        if self._step_loss is None:
+            return {}
+        loss = self._step_loss.clone().reshape(1).to(self.root_device, torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+        value = float(loss)
+        previous, self._last_loss = self._last_loss, value
+        if previous is not None and exchanger.bits in (1, 2, 4, 8):
+            stalled = previous - value < self.adaptive_tolerance * abs(previous)
+            exchanger.bits = min(8, exchanger.bits * 2) if stalled else max(1, exchanger.bits // 2)
+            exchanger.staleness.force_sync = stalled
+        return {"comm/global_loss": value}
+
+    def pipeline_state(self) -> dict[str, Any]:
+        """This rank's compression state: rounding RNG, bit-widths, stale buffers."""
+        ex = self._exchanger
+        if ex is None:
+            return {}
+        return {
+            "rank": self.global_rank,
+            "generator": ex.generator.get_state() if ex.generator is not None else None,
+            "bits": ex.bits,
+            "layer_bits": {k: (a.cpu(), b.cpu()) for k, (a, b) in ex.layer_bits.items()},
+            "row_range": {k: v.cpu() for k, v in ex.row_range.items()},
+            "layer_dims": dict(ex.layer_dims),
+            "staleness": ex.staleness.state_dict() if ex.staleness is not None else None,
+            "last_loss": self._last_loss,
+        }
+
+    def load_pipeline_state(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`pipeline_state` (now, or at the first step if not set up yet)."""
+        ex = self._exchanger
+        if ex is None:
+            self._pending_state = state
+            return
+        device = self.root_device
+        if state.get("generator") is not None and ex.generator is not None:
+            ex.generator.set_state(state["generator"])
+        ex.bits = state.get("bits", ex.bits)
+        ex.layer_bits = {int(k): (a.to(device), b.to(device)) for k, (a, b) in state.get("layer_bits", {}).items()}
+        ex.row_range = {int(k): v.to(device) for k, v in state.get("row_range", {}).items()}
+        ex.layer_dims = {int(k): int(v) for k, v in state.get("layer_dims", {}).items()}
+        if state.get("staleness") is not None and ex.staleness is not None:
+            ex.staleness.load_state_dict(state["staleness"], device)
+        self._last_loss = state.get("last_loss")
+        self._pending_state = None
 
     # -- introspection --------------------------------------------------------------------
     @property
@@ -412,9 +504,11 @@ class _CommMetricsLogger(Callback):
         exchanger = self.strategy.exchanger
         if exchanger is None:
             return
+        if self.strategy._pending_state is not None:
+            self.strategy.load_pipeline_state(self.strategy._pending_state)
         exchanger.stats.reset()
         self._assign = self.strategy._maybe_assign_bits(trainer.current_epoch)
-        exchanger.begin_step(compress=True)
+        exchanger.begin_step(compress=True, epoch=trainer.current_epoch)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         exchanger = self.strategy.exchanger
@@ -444,9 +538,31 @@ class _CommMetricsLogger(Callback):
         if self._assign:
             figures["comm/assign_time"] = self._assign["assign_time"]
             figures["comm/assign_solve_time"] = self._assign["solve_time"]
+        st = exchanger.staleness
+        if st is not None:
+            # the schedule is identical on every rank: these are this rank's (= every rank's)
+            ages = [a for _, _, a in st.ages]
+            figures["comm/staleness_max"] = float(max(ages, default=0))
+            figures["comm/staleness_mean"] = sum(ages) / len(ages) if ages else 0.0
+            figures["comm/sync_epoch"] = float(exchanger._sync)
+        figures.update(self.strategy._epoch_adaptive_update())
         for name, value in figures.items():
             if math.isfinite(value):
                 pl_module.log(name, value, on_step=False, on_epoch=True, reduce_fx="sum", batch_size=1)
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        # Called on every rank when a checkpoint is written (only rank 0's copy is saved), so
+        # gather every rank's pipeline state into it.
+        state = self.strategy.pipeline_state()
+        if self.strategy.world_size > 1 and dist.is_initialized():
+            gathered: list[Any] = [None] * self.strategy.world_size
+            dist.all_gather_object(gathered, state)
+        else:
+            gathered = [state]
+        return {"ranks": gathered}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        ranks = state_dict.get("ranks", [])
+        rank = self.strategy.global_rank
+        if rank < len(ranks) and ranks[rank]:
+            self.strategy.load_pipeline_state(ranks[rank])

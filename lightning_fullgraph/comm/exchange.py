@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_fullgraph.comm.staleness import StalenessState
 from lightning_fullgraph.partition.plan import HaloPlan
 
 __all__ = ["CommStats", "HaloExchanger"]
@@ -96,8 +97,8 @@ class HaloExchanger:
         bits: int | None = None,
         generator: torch.Generator | None = None,
     ) -> None:
-        if bits is not None and bits not in (1, 2, 4, 8):
-            raise ValueError(f"bits must be 1, 2, 4 or 8 (or None for fp32), got {bits!r}")
+        if bits is not None and bits not in (1, 2, 4, 8, 32):
+            raise ValueError(f"bits must be 1, 2, 4, 8 or 32 (or None: no compression), got {bits!r}")
         self.plan = plan
         self.group = group
         self.stats = CommStats()
@@ -114,16 +115,21 @@ class HaloExchanger:
         self.row_range: dict[int, Tensor] = {}
         self.layer_dims: dict[int, int] = {}
         self._static_refs: list[weakref.ref] = []
+        # Sylvie's asynchronous pipeline (None: every exchange is synchronous).
+        self.staleness: StalenessState | None = None
+        self._sync = True
         # Exact cache for tensors that do not change between calls (layer-0 input
         # features): keyed on object identity + version counter, never on data_ptr, which a
         # later tensor may reuse.
         self._static: dict[int, tuple[weakref.ref, int, Tensor]] = {}
         self._distributed = plan.world_size > 1 and dist.is_available() and dist.is_initialized()
 
-    def begin_step(self, compress: bool) -> None:
+    def begin_step(self, compress: bool, epoch: int = 0) -> None:
         """Called at the start of every training step (``compress=True``) and after it."""
         self._layer = 0
         self.compress = compress and self.bits is not None
+        if self.compress and self.staleness is not None:
+            self._sync = self.staleness.begin_epoch(epoch)
 
     def register_static(self, tensor: Tensor) -> None:
         """Marks a tensor (e.g. the batch's features) as constant: its halo rows are fetched
@@ -147,47 +153,21 @@ class HaloExchanger:
 
     # -- transport ------------------------------------------------------------------------
     def _all_to_all(self, send: Tensor, send_counts: list[int], recv_counts: list[int]) -> Tensor:
-        out = send.new_empty((sum(recv_counts),) + tuple(send.shape[1:]))
-        if not self._distributed:
-            return out  # world size 1: nothing to receive
-        start = time.perf_counter()
-        dist.all_to_all_single(out, send.contiguous(), recv_counts, send_counts, group=self.group)
-        self.stats.wait_time += time.perf_counter() - start
-        row_bytes = send.element_size() * math.prod(send.shape[1:])
-        self.stats.bytes_sent += row_bytes * sum(send_counts)
-        self.stats.bytes_recv += row_bytes * sum(recv_counts)
-        self.stats.exchanges += 1
-        return out
-
-    def _compressed_all_to_all(
-        self, rows: Tensor, send_counts: list[int], send_bits: Tensor, recv_counts: list[int], recv_bits: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        from lightning_fullgraph.comm.codec import decode_rows, encode_rows, message_nbytes
-
-        if rows.dim() != 2:
-            raise ValueError(f"compressed halo exchange needs [rows, features] tensors, got {tuple(rows.shape)}")
-        row_len = rows.size(1)
-        start = time.perf_counter()
-        enc = encode_rows(rows.detach().float(), send_bits, send_counts, generator=self.generator)
-        recv_nbytes = message_nbytes(recv_bits, recv_counts, row_len)
-        mid = time.perf_counter()
-        out = torch.empty(sum(recv_nbytes), dtype=torch.uint8, device=rows.device)
-        if self._distributed:
-            dist.all_to_all_single(out, enc.buffer, recv_nbytes, enc.nbytes, group=self.group)
-        end = time.perf_counter()
-        decoded = decode_rows(out, recv_bits, recv_counts, row_len).to(rows.dtype)
-        self.stats.quant_time += (mid - start) + (time.perf_counter() - end)
-        self.stats.wait_time += end - mid
-        self.stats.bytes_sent += sum(enc.nbytes)
-        self.stats.bytes_recv += sum(recv_nbytes)
-        self.stats.exchanges += 1
-        return decoded, enc.rng
+        """Synchronous uncompressed all-to-all of rows (also used for small metadata)."""
+        return self._start(send, send_counts, recv_counts, None, forward=False)()
 
     def _start(self, rows: Tensor, send_counts: list[int], recv_counts: list[int], layer: int | None, forward: bool):
-        """Launches one (possibly compressed) all-to-all without waiting; returns a closure that
-        waits and returns the received rows (decoded)."""
+        """Launches one all-to-all without waiting and returns a closure that waits and returns
+        the received rows.  ``layer=None`` or 32 bits: rows travel in their own dtype; else
+        quantized at the layer's bit-widths (``forward=False``: the reverse direction, for
+        gradients)."""
         from lightning_fullgraph.comm.codec import decode_rows, encode_rows, message_nbytes
 
+        if layer is not None and self.bits == 32:
+            if forward:
+                self.layer_dims[layer] = rows.size(1)
+                self.stats.record_bits(layer, rows.numel(), rows.numel() * 32)
+            layer, forward = None, False
         if layer is None:
             out = rows.new_empty((sum(recv_counts),) + tuple(rows.shape[1:]))
             send = rows.contiguous()
@@ -246,6 +226,10 @@ class HaloExchanger:
         """Starts the exchange of ``x``'s halo rows and returns at once; ``.wait()`` gives the
         halo rows ``[H_r, *]`` (differentiable in ``x``).  In backward the gradient transfer
         likewise overlaps whatever autograd computes between the two halves."""
+        if self.staleness is not None and self.compress:
+            # the pipeline already hides the transfer; no second overlap mechanism
+            halo = self._halo(x, exact)
+            return _Pending(lambda: halo)
         grad = x.requires_grad and torch.is_grad_enabled()
         layer = self._next_layer(x, grad, exact)
         if not grad and layer is None:
@@ -282,16 +266,7 @@ class HaloExchanger:
                 f"halo exchange expects the {plan.num_owned} rows this rank owns, got {x.size(0)} rows"
             )
         send = x.index_select(0, plan.send_index)
-        if layer is None:
-            if x.is_floating_point():
-                self.stats.record_bits(-1, send.numel(), send.numel() * 8 * send.element_size())
-            return self._all_to_all(send, plan.send_counts, plan.recv_counts)
-        send_bits, recv_bits = self.bits_for(layer)
-        halo, rng = self._compressed_all_to_all(send, plan.send_counts, send_bits, plan.recv_counts, recv_bits)
-        self.row_range[layer] = rng
-        self.layer_dims[layer] = send.size(1)
-        self.stats.record_bits(layer, send.numel(), int(send_bits.sum()) * send.size(1))
-        return halo
+        return self._start(send, plan.send_counts, plan.recv_counts, layer, forward=True)()
 
     def push_back(self, grad_halo: Tensor, layer: int | None = None) -> Tensor:
         """Sends halo-row gradients home and sums them at the owners: ``[H_r, *] -> [N_r, *]``.
@@ -300,11 +275,7 @@ class HaloExchanger:
         forward rows (the same row, the opposite direction).
         """
         plan = self.plan
-        if layer is None:
-            recv = self._all_to_all(grad_halo, plan.recv_counts, plan.send_counts)
-        else:
-            send_bits, recv_bits = self.bits_for(layer)
-            recv, _ = self._compressed_all_to_all(grad_halo, plan.recv_counts, recv_bits, plan.send_counts, send_bits)
+        recv = self._start(grad_halo, plan.recv_counts, plan.send_counts, layer, forward=False)()
         grad = grad_halo.new_zeros((plan.num_owned,) + tuple(grad_halo.shape[1:]))
         return grad.index_add_(0, plan.send_index, recv)
 
@@ -322,17 +293,28 @@ class HaloExchanger:
         rows and, in backward, their gradients) is quantized at the current layer's
         bit-widths; layers are numbered by call order within the step.
         """
+        return torch.cat([x, self._halo(x, exact)], dim=0)
+
+    def _halo(self, x: Tensor, exact: bool) -> Tensor:
         grad = x.requires_grad and torch.is_grad_enabled()
         layer = self._next_layer(x, grad, exact)
-        if grad:
+        if grad and layer is not None and self.staleness is not None:
+            st = self.staleness
+            self.stats.forward_exchanges += 1
+            if not self._sync:
+                return _StaleFn.apply(x, self, layer)
             halo = _HaloExchangeFn.apply(x, self, layer)
+            pipe = st.layer(layer)
+            pipe.halo, pipe.halo_epoch, pipe.halo_avg = halo.detach(), st.epoch, None
+            st.record_age(layer, 0)
+            return halo
+        if grad:
             self.stats.forward_exchanges += 1
-        elif layer is not None:
-            halo = self.fetch(x, layer)
+            return _HaloExchangeFn.apply(x, self, layer)
+        if layer is not None:
             self.stats.forward_exchanges += 1
-        else:
-            halo = self._fetch_static(x)
-        return torch.cat([x, halo], dim=0)
+            return self.fetch(x, layer)
+        return self._fetch_static(x)
 
     def _fetch_static(self, x: Tensor) -> Tensor:
         entry = self._static.get(id(x))
@@ -415,3 +397,44 @@ class _WaitFn(torch.autograd.Function):
         exchanger.stats.backward_exchanges += 1
         ctx.state["finish_back"] = exchanger._start(grad_halo.contiguous(), plan.recv_counts, plan.send_counts, ctx.layer, False)
         return grad_halo.new_empty(0), None, None, None
+
+
+class _StaleFn(torch.autograd.Function):
+    """Asynchronous step of one layer: consume the halo rows sent last epoch, launch this
+    epoch's; in backward add last epoch's returned gradients, launch this epoch's."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, exchanger: HaloExchanger, layer: int) -> Tensor:
+        st = exchanger.staleness
+        assert st is not None
+        plan = exchanger.plan
+        pipe = st.layer(layer)
+        fresh = pipe.fwd_pending is not None
+        pipe.land_forward()
+        if pipe.halo is None:  # no earlier exchange of this layer (e.g. a new layer): go synchronous
+            pipe.halo, pipe.halo_epoch = exchanger.fetch(x.detach(), layer), st.epoch
+        else:
+            pipe.fwd_pending = exchanger._start(
+                x.detach().index_select(0, plan.send_index), plan.send_counts, plan.recv_counts, layer, True
+            )
+            pipe.fwd_epoch = st.epoch
+        st.record_age(layer, st.epoch - pipe.halo_epoch)
+        ctx.exchanger, ctx.layer = exchanger, layer
+        return st.smooth_halo(pipe, fresh).clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_halo: Tensor) -> tuple[Tensor, None, None]:
+        exchanger: HaloExchanger = ctx.exchanger
+        st = exchanger.staleness
+        assert st is not None
+        plan = exchanger.plan
+        pipe = st.layer(ctx.layer)
+        pipe.land_gradient()
+        stale = pipe.grad
+        pipe.grad = None
+        exchanger.stats.backward_exchanges += 1
+        pipe.grad_pending = exchanger._start(grad_halo.contiguous(), plan.recv_counts, plan.send_counts, ctx.layer, False)
+        grad = grad_halo.new_zeros((plan.num_owned,) + tuple(grad_halo.shape[1:]))
+        if stale is not None:
+            grad.index_add_(0, plan.send_index, st.smooth_grad(pipe, stale))
+        return grad, None, None

@@ -58,23 +58,31 @@ transport sends to different ranks are contiguous byte ranges (split sizes = row
   ``numpy.packbits(bitorder="little")`` for ``b = 1``).  Each row is padded with zero levels to
   a multiple of ``8 / b`` elements, at most 7 bits per row.
 * Metadata: ``mn`` and ``rng = mx - mn`` as little-endian **float32**, 8 bytes per row.
-  float32 keeps the extreme levels within one float32 rounding of the true ``mn``/``mx``, never
-  overflows or flushes where the data did not (fp16 overflows beyond 65504 and loses ranges
-  below ~6e-8; bf16 has 8 significant bits and would bias ``x^`` by up to ~0.4% of ``rng``), and
-  costs 64 bits per row: 20% on top of 1-bit x 256 features, 3% at 8 bits.
+  float32 is exact for ``mn`` (an input value), keeps the top level within one float32
+  rounding of ``mx``, and never overflows or flushes where the data did not.  Half-precision
+  metadata would save 4 bytes per row but costs accuracy or needs guards: bf16 (8 significant
+  bits) moves ``mn`` by up to ``2^-9 |mn|`` -- more than the whole range for rows far from zero
+  -- and ``rng`` by up to 0.2%; fp16 overflows beyond 65504 and loses ranges below ~6e-8.
+  Cost of float32: 8 bytes on top of the 32 bytes of a 1-bit x 256 row (25%), of 256 bytes at
+  8 bits (3%).
 * Little-endian byte order of the host/device is assumed (every platform PyTorch supports).
 
 Speed
 -----
-Rows are processed in chunks that stay in the CPU cache (a fraction of a MiB), every step is a
-vectorized in-place torch kernel on preallocated buffers (no temporaries, no Python loop over
-rows or elements), and packing/unpacking use word-level integer tricks (one multiply and one
+Rows are processed in chunks of ~2^18 elements that stay in the CPU cache; every step is a
+vectorized in-place torch kernel on buffers allocated once per call (no Python loop over rows
+or elements, no per-chunk temporaries); row min/max are taken chunk by chunk so the input is
+read from memory once; packing/unpacking use word-level integer tricks (one multiply and one
 shift pack 8 one-bit levels).  ``quantize`` rejects NaN/inf input with the per-row min/max it
-needs anyway.  On one thread of the 2-core development machine this runs at well above
-1 GB/s of float32 input in both directions (``benchmarks/quantizer_speed.py``), against
-~0.1-0.3 GB/s for a naive torch implementation.  The same code runs unchanged on CUDA (in
-larger chunks).  Packing multiplies integers that wrap around (two's complement), as every
-PyTorch backend does; the layout tests check every byte pattern.
+needs anyway.  Drawing the 16-bit dither (``random_`` on int64, four dithers per draw) is about
+half of the quantizer's time.  Large CPU outputs get ``MADV_HUGEPAGE`` advice
+(:data:`HUGEPAGE_ADVICE`): first-touch page faults of a fresh 100 MB tensor otherwise cost more
+than the dequantization itself.  Measured on one thread of the 2-core development machine
+(100k x 256 float32, ``benchmarks/quantizer_speed.py``): quantize+pack ~1.0-1.7 GB/s of
+float32 input, unpack+dequantize ~2.4-5 GB/s (4-6 GB/s into a reused ``out``), against
+~0.1-0.2 / ~0.3-0.5 GB/s for a naive torch implementation.  The same code runs unchanged on
+CUDA (in larger chunks).  Packing multiplies integers that wrap around (two's complement), as
+every PyTorch backend does; the layout tests check every byte pattern.
 
 Shapes: input ``[N, D]`` (two dimensions only; ``N`` or ``D`` may be 0); any floating dtype
 (computed in float32, so values beyond float32 range are rejected as non-finite).  Output of
@@ -83,6 +91,7 @@ Shapes: input ``[N, D]`` (two dimensions only; ``N`` or ``D`` may be 0); any flo
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +99,7 @@ from torch import Tensor
 
 __all__ = [
     "DITHER_BITS",
+    "HUGEPAGE_ADVICE",
     "META_NBYTES",
     "SUPPORTED_BITS",
     "QuantizedRows",
@@ -125,9 +135,13 @@ _PACK_SHIFT = {1: 56, 2: 24}
 
 
 def _check_bits(bits: int) -> int:
-    if isinstance(bits, bool) or int(bits) != bits or int(bits) not in SUPPORTED_BITS:
+    try:
+        value = None if isinstance(bits, bool) else operator.index(bits)  # int, numpy/torch ints
+    except TypeError:
+        value = None
+    if value not in SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
-    return int(bits)
+    return value
 
 
 def packed_row_nbytes(row_len: int, bits: int) -> int:
@@ -159,7 +173,7 @@ def _chunk_rows(num_rows: int, row_len: int, device: torch.device) -> int:
     return max(1, min(num_rows, elems // max(row_len, 1)))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class QuantizedRows:
     """A quantized ``[N, D]`` message, stored as its wire records.
 
@@ -258,6 +272,7 @@ def _as_2d_float(x: Tensor, what: str = "x") -> Tensor:
         raise ValueError(f"{what} must be 2-D [rows, features], got shape {tuple(x.shape)}")
     if not x.is_floating_point():
         raise ValueError(f"{what} must be a floating-point tensor, got {x.dtype}")
+    x = x.detach()
     return x if x.dtype == torch.float32 else x.float()
 
 
@@ -324,14 +339,37 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return t
 
 
-def quantize(x: Tensor, bits: int, generator: torch.Generator | None = None) -> QuantizedRows:
+_U16_OK: dict[str, bool] = {}
+
+
+def _uint16_copy_ok(device: torch.device) -> bool:
+    """Whether ``uint16 -> int32`` copies work on this device type (bare-bones dtype)."""
+    ok = _U16_OK.get(device.type)
+    if ok is None:
+        try:
+            src = torch.tensor([-1, 7], dtype=torch.int16, device=device).view(torch.uint16)
+            dst = torch.empty(2, dtype=torch.int32, device=device).copy_(src)
+            ok = dst.tolist() == [65535, 7]
+        except Exception:  # pragma: no cover - depends on the torch build
+            ok = False
+        _U16_OK[device.type] = ok
+    return ok
+
+
+def quantize(
+    x: Tensor, bits: int, generator: torch.Generator | None = None, *, out: Tensor | None = None
+) -> QuantizedRows:
     """Quantizes every row of ``x`` to ``bits`` bits with unbiased stochastic rounding.
 
     Args:
-        x: ``[N, D]`` floating tensor (CPU or any device); ``N`` and ``D`` may be 0.
+        x: ``[N, D]`` floating tensor (CPU or any device); ``N`` and ``D`` may be 0.  Not
+            differentiated (it is detached).
         bits: 1, 2, 4 or 8.
         generator: Source of the dither, on ``x``'s device; the same seed gives the same bytes
             (for the same shape and device).  ``None``: the device's default generator.
+        out: Optional ``[N, row_nbytes(D, bits)]`` uint8 tensor on ``x``'s device (e.g. a slice
+            of a larger send buffer) to write the records into; its rows may be strided, its
+            bytes within a row must be contiguous.
 
     Returns:
         :class:`QuantizedRows` with ``payload_nbytes(N, D, bits)`` bytes of records.
@@ -346,13 +384,25 @@ def quantize(x: Tensor, bits: int, generator: torch.Generator | None = None) -> 
     dev = x.device
     levels = (1 << bits) - 1
     nb = packed_row_nbytes(d, bits)
-    buf = _empty((n, META_NBYTES + nb), torch.uint8, dev)
-    out = QuantizedRows(buf, bits, (n, d))
+    if out is None:
+        buf = _empty((n, META_NBYTES + nb), torch.uint8, dev)
+    else:
+        if (
+            out.dtype != torch.uint8
+            or tuple(out.shape) != (n, META_NBYTES + nb)
+            or out.device != dev
+            or (out.numel() > 0 and out.stride(1) != 1)
+        ):
+            raise ValueError(
+                f"out must be uint8 of shape {(n, META_NBYTES + nb)} on {dev} with unit column stride"
+            )
+        buf = out
+    result = QuantizedRows(buf, bits, (n, d))
     if n == 0:
-        return out
+        return result
     if d == 0:
         buf.zero_()
-        return out
+        return result
 
     lim = float(levels * _ONE)
     mn = torch.empty(n, dtype=torch.float32, device=dev)
@@ -365,6 +415,7 @@ def quantize(x: Tensor, bits: int, generator: torch.Generator | None = None) -> 
     rand = torch.empty(-(-rows * d // 4), dtype=torch.int64, device=dev)
     dither = torch.empty((rows, d), dtype=torch.int32, device=dev)
     packed = buf[:, META_NBYTES:]
+    u16 = _uint16_copy_ok(dev)
     if bits < 8:
         lv = torch.zeros((rows, nb * (8 // bits)), dtype=torch.uint8, device=dev)  # padding stays 0
         words = lv.view(_WORD_DTYPE[bits])  # [rows, nb]: one word per packed byte
@@ -406,12 +457,17 @@ def quantize(x: Tensor, bits: int, generator: torch.Generator | None = None) -> 
         rv = rand[:nrand]
         rv.random_(-(1 << 63), None, generator=generator)  # 64 uniform bits -> four 16-bit dithers
         dv = dither[:r]
-        dv.copy_(rv.view(torch.uint16)[: r * d].view(r, d))  # uniform on [0, 2^16)
+        if u16:
+            dv.copy_(rv.view(torch.uint16)[: r * d].view(r, d))  # uniform on [0, 2^16)
+        else:
+            dv.copy_(rv.view(torch.int16)[: r * d].view(r, d))
+            dv.bitwise_and_(0xFFFF)  # the same value as the uint16 view
         fx.add_(dv)
+        fx.bitwise_right_shift_(DITHER_BITS)  # q in [0, L]
         if bits == 8:
-            torch.bitwise_right_shift(fx, DITHER_BITS, out=packed[s:e])
+            packed[s:e].copy_(fx)
             continue
-        torch.bitwise_right_shift(fx, DITHER_BITS, out=lv[:r, :d])
+        lv[:r, :d].copy_(fx)
         wv, tv = words[:r], wtmp[:r]
         if bits == 4:
             torch.bitwise_right_shift(wv, 4, out=tv)  # bytes [hi, lo] -> low byte hi << 4 | lo
@@ -422,7 +478,7 @@ def quantize(x: Tensor, bits: int, generator: torch.Generator | None = None) -> 
         packed[s:e].copy_(tv)  # the low byte of every word
     buf[:, 0:4].copy_(mn.view(torch.uint8).view(n, 4))
     buf[:, 4:8].copy_(rng.view(torch.uint8).view(n, 4))
-    return out
+    return result
 
 
 def _unpack_into(words: Tensor, tmp: Tensor, bits: int) -> None:

@@ -163,11 +163,17 @@ def test_registry_names_and_modes() -> None:
 
     import lightning_fullgraph  # noqa: F401  (registers the names)
 
-    for name in ("fullgraph_quant", "fullgraph_exact"):
+    for name, mode in (("fullgraph_quant", "adaqp"), ("fullgraph_exact", "exact")):
         trainer = pl.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
         assert isinstance(trainer.strategy, FullGraphStrategy)
-        assert trainer.strategy.mode == "exact"
+        assert trainer.strategy.mode == mode
     with pytest.raises(ValueError, match="choose one of"):
         FullGraphStrategy(mode="fp16")
-    with pytest.raises(NotImplementedError, match="mode='exact'"):
+    with pytest.raises(NotImplementedError, match="mode='exact' or 'adaqp'"):
         FullGraphStrategy(mode="sylvie")
+    with pytest.raises(ValueError, match="drop `bits`"):
+        FullGraphStrategy(mode="exact", bits=4)
+    with pytest.raises(ValueError, match="bits=3"):
+        FullGraphStrategy(mode="adaqp", bits=3)
+    assert FullGraphStrategy(mode="adaqp").bits == "adaptive"
+    assert FullGraphStrategy(mode="adaqp").overlap and not FullGraphStrategy().overlap

@@ -1,0 +1,379 @@
+"""Adaptive bit-width assignment: link-cost fit, grouping and the per-layer MILP."""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import lightning_fullgraph.comm.assign as assign_mod
+from lightning_fullgraph.comm.assign import (
+    AssignmentProblem,
+    LinkCost,
+    assign_bits,
+    build_problem,
+    expand_group_bits,
+    fit_alpha_beta,
+    group_aggregates,
+    group_nodes,
+    variance_coefficients,
+)
+
+CHOICES = (2, 4, 8)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _random_joint(
+    world_size: int, groups_per_pair: int, seed: int = 0, feature_dim: int = 64
+) -> AssignmentProblem:
+    gen = torch.Generator().manual_seed(seed)
+    sender, peer, rows, var, costs = [], [], [], [], {}
+    for s in range(world_size):
+        for p in range(world_size):
+            if s == p:
+                continue
+            n = groups_per_pair
+            sender += [s] * n
+            peer += [p] * n
+            rows += torch.randint(50, 500, (n,), generator=gen).tolist()
+            var += (torch.rand(n, generator=gen, dtype=torch.float64) ** 2 * 100 + 1e-3).tolist()
+            alpha = float(1e-9 * (1 + 9 * torch.rand(1, generator=gen)))
+            costs[(s, p)] = LinkCost(alpha=alpha, beta=float(1e-5 * torch.rand(1, generator=gen)))
+    return AssignmentProblem(sender, peer, rows, var, costs, world_size, feature_dim)
+
+
+def _objective(problem: AssignmentProblem, bits, lam: float, choices=CHOICES) -> float:
+    """Normalised objective, computed independently of the module's internals."""
+    return float(_objectives(problem, np.asarray([list(bits)]), lam, choices)[0])
+
+
+def _objectives(problem: AssignmentProblem, combos: np.ndarray, lam: float, choices=CHOICES) -> np.ndarray:
+    """Normalised objective of every row of ``combos`` (``[N, G]`` bit-widths), vectorised."""
+    w = problem.world_size
+    rows = problem.rows.numpy().astype(np.float64)
+    var = problem.var_coef.numpy()
+    sender, peer = problem.sender.numpy(), problem.peer.numpy()
+
+    def model(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        v = (var / (2.0**bits - 1) ** 2).sum(axis=1)
+        nbytes = rows * (np.ceil(problem.feature_dim * bits / 8) + problem.meta_bytes_per_row)
+        rt = np.zeros((bits.shape[0], w - 1))
+        for (s, p), cost in problem.costs.items():
+            mask = (sender == s) & (peer == p)
+            if mask.any():
+                r = (p - s) % w - 1
+                rt[:, r] = np.maximum(rt[:, r], cost.alpha * nbytes[:, mask].sum(axis=1) + cost.beta)
+        return v, rt.sum(axis=1)
+
+    g = problem.num_groups
+    (v_hi,), (t_lo,) = model(np.full((1, g), min(choices)))
+    (v_lo,), (t_hi,) = model(np.full((1, g), max(choices)))
+    v, t = model(combos.astype(np.float64))
+    nv = (v - v_lo) / (v_hi - v_lo) if v_hi > v_lo else 0.0 * v
+    nt = (t - t_lo) / (t_hi - t_lo) if t_hi > t_lo else 0.0 * t
+    return lam * nv + (1 - lam) * nt
+
+
+def _brute_force(problem: AssignmentProblem, lam: float) -> float:
+    combos = np.array(list(itertools.product(CHOICES, repeat=problem.num_groups)))
+    return float(_objectives(problem, combos, lam).min())
+
+
+def _round_times_by_hand(problem: AssignmentProblem, bits: torch.Tensor) -> torch.Tensor:
+    w = problem.world_size
+    out = torch.zeros(w - 1, dtype=torch.float64)
+    for (s, p), cost in problem.costs.items():
+        mask = (problem.sender == s) & (problem.peer == p)
+        if not bool(mask.any()):
+            continue
+        nbytes = sum(int(n) * problem.row_bytes(int(b)) for n, b in zip(problem.rows[mask], bits[mask]))
+        r = (p - s) % w
+        out[r - 1] = max(float(out[r - 1]), cost.time(nbytes))
+    return out
+
+
+# --------------------------------------------------------------------------- link cost
+
+
+def test_fit_alpha_beta_noiseless() -> None:
+    sizes = np.linspace(1e3, 5e7, 40)
+    t = 2.5e-9 * sizes + 7e-5
+    cost = fit_alpha_beta(sizes.tolist(), t.tolist())
+    assert cost.alpha == pytest.approx(2.5e-9, rel=1e-9)
+    assert cost.beta == pytest.approx(7e-5, rel=1e-6)
+    assert cost.time(1e6) == pytest.approx(2.5e-3 + 7e-5, rel=1e-9)
+    assert pickle.loads(pickle.dumps(cost)) == cost
+
+
+def test_fit_alpha_beta_noisy() -> None:
+    rng = np.random.default_rng(0)
+    sizes = rng.uniform(1e4, 1e8, 200)
+    t = 1e-9 * sizes + 2e-4
+    noisy = t * (1 + 0.02 * rng.standard_normal(t.size))
+    cost = fit_alpha_beta(sizes, noisy)
+    assert cost.alpha == pytest.approx(1e-9, rel=0.02)
+    assert abs(cost.beta - 2e-4) < 2e-3  # intercept is noisier than the slope
+    assert cost.alpha >= 0 and cost.beta >= 0
+
+
+def test_fit_alpha_beta_nonnegative() -> None:
+    sizes = np.linspace(1e5, 1e6, 20)
+    cost = fit_alpha_beta(sizes, 1e-9 * sizes - 5e-5)  # intercept < 0 -> beta pinned at 0
+    assert cost.beta == 0.0 and cost.alpha > 0
+    cost = fit_alpha_beta(sizes, 5e-3 - 1e-9 * sizes)  # decreasing times -> alpha pinned at 0
+    assert cost.alpha == 0.0 and cost.beta > 0
+    with pytest.raises(ValueError):
+        fit_alpha_beta([1e3, 1e3], [1e-3, 2e-3])
+    with pytest.raises(ValueError):
+        fit_alpha_beta([1e3, 2e3], [1e-3])
+
+
+# --------------------------------------------------------------------------- grouping
+
+
+def test_group_nodes_sorted_sizes_deterministic() -> None:
+    torch.manual_seed(0)
+    v = torch.rand(23).round(decimals=1)  # plenty of ties
+    gid = group_nodes(v, 5)
+    assert gid.dtype == torch.long
+    assert torch.bincount(gid).tolist() == [5, 5, 5, 5, 3]
+    for g in range(4):  # every row of group g has variance >= every row of group g + 1
+        assert float(v[gid == g].min()) >= float(v[gid == g + 1].max())
+    assert torch.equal(gid, group_nodes(v.clone(), 5))
+    # ties broken by original index (stable)
+    same = group_nodes(torch.ones(7), 3)
+    assert same.tolist() == [0, 0, 0, 1, 1, 1, 2]
+    rows, sums = group_aggregates(v, gid)
+    assert rows.tolist() == [5, 5, 5, 5, 3]
+    assert torch.allclose(sums, torch.stack([v[gid == g].double().sum() for g in range(5)]))
+    assert group_nodes(torch.zeros(0), 4).numel() == 0
+    with pytest.raises(ValueError):
+        group_nodes(v, 0)
+
+
+def test_variance_coefficients_and_expand() -> None:
+    x = torch.tensor([[0.0, 1.0, 3.0], [2.0, 2.0, 2.0]])
+    c = variance_coefficients(x, weight=torch.tensor([2.0, 5.0]))
+    assert c.tolist() == pytest.approx([2.0 * 3 * 9 / 6, 0.0])
+    gid = torch.tensor([2, 0, 1, 0])
+    assert expand_group_bits(gid, torch.tensor([8, 4, 2])).tolist() == [2, 8, 4, 8]
+
+
+def test_build_problem_global_group_ids() -> None:
+    gen = torch.Generator().manual_seed(1)
+    wv = {(0, 1): torch.rand(11, generator=gen), (1, 0): torch.rand(4, generator=gen), (0, 2): torch.rand(0)}
+    costs = {k: LinkCost(1e-9, 1e-5) for k in wv}
+    problem, gids = build_problem(wv, 5, costs, world_size=3, feature_dim=16)
+    assert problem.num_groups == 3 + 1
+    assert problem.rows.tolist() == [5, 5, 1, 4]
+    assert gids[(0, 1)].max() == 2 and gids[(1, 0)].unique().tolist() == [3]
+    res = assign_bits(problem, 0.5)
+    per_row = expand_group_bits(gids[(0, 1)], res.bits_per_group)
+    assert per_row.shape == (11,)
+    assert set(per_row.tolist()) <= set(CHOICES)
+
+
+# --------------------------------------------------------------------------- the MILP
+
+
+def test_lambda_extremes() -> None:
+    problem = _random_joint(world_size=4, groups_per_pair=6, seed=3)
+    res = assign_bits(problem, lambda_=1.0)
+    assert res.status == "optimal"
+    assert res.bits_per_group.tolist() == [8] * problem.num_groups
+    assert res.average_bits == 8.0 and res.objective == pytest.approx(0.0, abs=1e-12)
+    res = assign_bits(problem, lambda_=0.0)
+    assert res.status == "optimal"
+    assert res.bits_per_group.tolist() == [2] * problem.num_groups  # ties -> fewer bits
+    assert res.objective == pytest.approx(0.0, abs=1e-12)
+    # single sender: every pair is its round's bottleneck, so the MILP alone gives min bits
+    single = AssignmentProblem.for_sender(
+        0,
+        [1, 1, 2, 2],
+        [100, 200, 300, 50],
+        [1.0, 2.0, 3.0, 4.0],
+        {1: LinkCost(1e-9, 0), 2: LinkCost(2e-9, 0)},
+        3,
+        32,
+    )
+    assert assign_bits(single, 0.0, improve=False).bits_per_group.tolist() == [2, 2, 2, 2]
+    assert assign_bits(single, 1.0, improve=False).bits_per_group.tolist() == [8, 8, 8, 8]
+
+
+def test_higher_variance_gets_more_bits() -> None:
+    n = 12
+    var = torch.logspace(4, -4, n, dtype=torch.float64)  # descending
+    problem = AssignmentProblem.for_sender(
+        0, [1] * n, [200] * n, var, {1: LinkCost(1e-9, 1e-5)}, world_size=2, feature_dim=128
+    )
+    bits = assign_bits(problem, 0.5).bits_per_group
+    assert all(a >= b for a, b in zip(bits.tolist(), bits[1:].tolist())), bits
+    assert bits[0] > bits[-1]
+
+
+def test_slow_link_gets_fewer_bits() -> None:
+    n = 10
+    var = torch.logspace(2, -2, n, dtype=torch.float64)
+    problem = AssignmentProblem.for_sender(
+        0,
+        [1] * n + [2] * n,
+        [300] * (2 * n),
+        torch.cat([var, var]),
+        {1: LinkCost(1e-9, 1e-5), 2: LinkCost(2e-8, 1e-5)},  # peer 2 is 20x slower
+        world_size=3,
+        feature_dim=128,
+    )
+    res = assign_bits(problem, 0.5)
+    fast, slow = res.bits_per_group[:n], res.bits_per_group[n:]
+    assert bool((fast >= slow).all()) and fast.sum() > slow.sum()
+
+
+@pytest.mark.parametrize("lam", [0.3, 0.5, 0.8])
+def test_solution_satisfies_constraints(lam: float) -> None:
+    problem = _random_joint(world_size=4, groups_per_pair=5, seed=7)
+    res = assign_bits(problem, lam)
+    assert res.status == "optimal"
+    assert res.bits_per_group.shape == (problem.num_groups,)
+    assert set(res.bits_per_group.tolist()) <= set(CHOICES)
+    by_hand = _round_times_by_hand(problem, res.bits_per_group)
+    assert torch.allclose(res.round_times, by_hand, rtol=1e-12, atol=0)
+    assert res.est_time == pytest.approx(float(by_hand.sum()), rel=1e-12)
+    assert res.objective == pytest.approx(_objective(problem, res.bits_per_group, lam), abs=1e-12)
+    assert 0.0 <= res.objective <= 1.0
+    rows = problem.rows.double()
+    assert res.average_bits == pytest.approx(float((rows * res.bits_per_group).sum() / rows.sum()))
+    # the optimum beats (or ties) every uniform assignment
+    for b in CHOICES:
+        assert res.objective <= _objective(problem, [b] * problem.num_groups, lam) + 1e-9
+    back = pickle.loads(pickle.dumps(res))
+    assert torch.equal(back.bits_per_group, res.bits_per_group) and back.status == res.status
+
+
+def _tiny_problem(seed: int) -> AssignmentProblem:
+    # 3 ranks, 6 groups over 4 pairs in 2 rounds (3^6 = 729 assignments)
+    gen = torch.Generator().manual_seed(seed)
+    sender = [0, 0, 1, 1, 2, 0]
+    peer = [1, 1, 2, 0, 0, 2]
+    rows = torch.randint(10, 100, (6,), generator=gen)
+    var = torch.rand(6, generator=gen, dtype=torch.float64) * 10
+    costs = {
+        (s, p): LinkCost(
+            float(1e-8 * (0.5 + torch.rand(1, generator=gen))), float(1e-5 * torch.rand(1, generator=gen))
+        )
+        for s, p in set(zip(sender, peer))
+    }
+    return AssignmentProblem(
+        sender, peer, rows, var, costs, world_size=3, feature_dim=24, meta_bytes_per_row=4
+    )
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("lam", [0.2, 0.5, 0.8])
+def test_matches_brute_force(seed: int, lam: float) -> None:
+    problem = _tiny_problem(seed)
+    best = _brute_force(problem, lam)
+    for improve in (False, True):
+        res = assign_bits(problem, lam, mip_rel_gap=0.0, improve=improve)
+        assert res.status == "optimal"
+        assert res.objective == pytest.approx(best, abs=1e-9)
+        assert _objective(problem, res.bits_per_group, lam) == pytest.approx(best, abs=1e-9)
+
+
+def test_four_group_brute_force_single_sender() -> None:
+    problem = AssignmentProblem.for_sender(
+        1,
+        [2, 2, 0, 0],
+        [64, 64, 32, 128],
+        [5.0, 0.5, 2.0, 0.1],
+        {2: LinkCost(3e-8, 1e-6), 0: LinkCost(1e-8, 0.0)},
+        3,
+        40,
+    )
+    for lam in (0.1, 0.4, 0.6, 0.9):
+        best = _brute_force(problem, lam)
+        res = assign_bits(problem, lam, mip_rel_gap=0.0)
+        assert res.objective == pytest.approx(best, abs=1e-9)
+
+
+def test_fallback_when_milp_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    problem = _random_joint(world_size=3, groups_per_pair=4, seed=2)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("solver exploded")
+
+    monkeypatch.setattr(assign_mod, "milp", boom)
+    res = assign_bits(problem, 0.5, improve=False)
+    assert res.status == "fallback" and res.used_fallback
+    assert "solver exploded" in res.message
+    assert res.bits_per_group.tolist() == [8] * problem.num_groups
+    greedy = assign_bits(problem, 0.5)  # uniform 8 bits refined by coordinate descent
+    assert greedy.status == "fallback"
+    assert greedy.objective <= res.objective
+
+
+def test_fallback_when_milp_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    problem = _random_joint(world_size=3, groups_per_pair=4, seed=2)
+    monkeypatch.setattr(
+        assign_mod, "milp", lambda *a, **k: SimpleNamespace(status=4, x=None, message="numerical trouble")
+    )
+    res = assign_bits(problem, 0.5, improve=False)
+    assert res.status == "fallback" and "numerical trouble" in res.message
+    assert res.bits_per_group.tolist() == [8] * problem.num_groups
+
+
+def test_tiny_time_limit_is_reported() -> None:
+    problem = _random_joint(world_size=4, groups_per_pair=50, seed=5)
+    res = assign_bits(problem, 0.5, time_limit=1e-6)
+    assert res.status in {"optimal", "time_limit", "fallback"}
+    assert set(res.bits_per_group.tolist()) <= set(CHOICES)
+    assert 0.0 <= res.objective <= 1.0
+
+
+def test_600_groups_runtime() -> None:
+    problem = _random_joint(world_size=4, groups_per_pair=50, seed=11, feature_dim=256)
+    assert problem.num_groups == 600
+    t0 = time.perf_counter()
+    res = assign_bits(problem, 0.5)
+    wall = time.perf_counter() - t0
+    print(f"600 groups: {res.status} in {res.solve_seconds:.3f}s, average bits {res.average_bits:.2f}")
+    assert res.status in {"optimal", "time_limit"}
+    assert wall < 15.0  # loose: the default time budget is 10 s
+    assert 2.0 < res.average_bits < 8.0
+
+
+def test_degenerate_problems() -> None:
+    empty = AssignmentProblem([], [], [], [], {}, world_size=2, feature_dim=8)
+    res = assign_bits(empty)
+    assert res.status == "empty" and res.bits_per_group.numel() == 0 and res.est_time == 0.0
+    problem = _random_joint(world_size=2, groups_per_pair=3)
+    res = assign_bits(problem, bit_choices=(4,))
+    assert res.status == "trivial" and res.bits_per_group.tolist() == [4] * problem.num_groups
+    # all-zero variance: the variance term is constant -> time decides -> min bits
+    zero = AssignmentProblem.for_sender(0, [1, 1], [10, 20], [0.0, 0.0], {1: LinkCost(1e-9, 0)}, 2, 8)
+    res = assign_bits(zero, 0.9)
+    assert res.bits_per_group.tolist() == [2, 2] and res.norm_variance == 0.0
+    # free links (alpha = 0): the time term is constant -> variance decides -> max bits
+    free = AssignmentProblem.for_sender(0, [1, 1], [10, 20], [1.0, 2.0], {1: LinkCost(0.0, 1e-5)}, 2, 8)
+    assert assign_bits(free, 0.1).bits_per_group.tolist() == [8, 8]
+
+
+def test_problem_validation() -> None:
+    cost = {(0, 1): LinkCost(1e-9, 0.0)}
+    with pytest.raises(ValueError):
+        AssignmentProblem([0], [0], [1], [1.0], {(0, 0): LinkCost(1, 0)}, 2, 8)  # self send
+    with pytest.raises(ValueError):
+        AssignmentProblem([0], [1], [1], [1.0], {}, 2, 8)  # missing cost
+    with pytest.raises(ValueError):
+        AssignmentProblem([0], [1], [1, 2], [1.0], cost, 2, 8)  # lengths differ
+    with pytest.raises(ValueError):
+        AssignmentProblem([0], [2], [1], [1.0], cost, 2, 8)  # peer out of range
+    problem = AssignmentProblem([0], [1], [1], [1.0], cost, 2, 8)
+    with pytest.raises(ValueError):
+        assign_bits(problem, lambda_=1.5)
