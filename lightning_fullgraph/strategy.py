@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -73,6 +74,9 @@ class FullGraphStrategy(DDPStrategy):
             (improves by less than ``adaptive_tolerance`` relative), double the bits (up to 8)
             and go synchronous; when it improves, halve them (down to 1) and go asynchronous.
         adaptive_tolerance: Relative loss improvement below which the loss counts as stalled.
+        link_costs: ``"measure"`` (adaptive adaqp: time sends on every link at setup) or
+            ``"uniform"`` (the same nominal 1 GB/s, 100 us link everywhere: reproducible
+            assignments, e.g. for tests).
         assign_every: Epochs between bit-width re-assignments (adaptive).
         lambda_: Weight of variance against time in the assignment objective, in [0, 1].
         group_size: Rows per group sharing one bit-width in the assignment.
@@ -112,6 +116,7 @@ class FullGraphStrategy(DDPStrategy):
         smooth: Literal["features", "gradients", "both"] = "both",
         epoch_adaptive: bool = False,
         adaptive_tolerance: float = 1e-3,
+        link_costs: Literal["measure", "uniform"] = "measure",
         loss_weighting: Literal["train_mask", "mean", "sum"] = "train_mask",
         mask_key: str = "train_mask",
         timeout: timedelta | None = default_pg_timeout,
@@ -162,6 +167,9 @@ class FullGraphStrategy(DDPStrategy):
         self.smooth = smooth
         self.epoch_adaptive = epoch_adaptive
         self.adaptive_tolerance = adaptive_tolerance
+        if link_costs not in ("measure", "uniform"):
+            raise ValueError(f"link_costs={link_costs!r}; choose 'measure' or 'uniform'")
+        self.link_cost_source = link_costs
         self._failed = False
         self._step_loss: Tensor | None = None
         self._last_loss: float | None = None
@@ -229,7 +237,13 @@ class FullGraphStrategy(DDPStrategy):
         if self.bits == "adaptive" and trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
             from lightning_fullgraph.comm.adaptive import measure_link_costs, receiver_weights
 
-            self._link_costs = measure_link_costs(self._halo_group, self.global_rank, self.world_size)
+            if self.link_cost_source == "uniform":
+                from lightning_fullgraph.comm.assign import LinkCost
+
+                w = self.world_size
+                self._link_costs = {(a, b): LinkCost(1e-9, 1e-4) for a in range(w) for b in range(w) if a != b}
+            else:
+                self._link_costs = measure_link_costs(self._halo_group, self.global_rank, self.world_size)
             self._send_weights = receiver_weights(self._exchanger, partition.data.edge_index)
         assert self.lightning_module is not None
         uninstall_adapters(self._patched)
@@ -394,6 +408,14 @@ class FullGraphStrategy(DDPStrategy):
             group_size=self.group_size,
         )
 
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        # Runs before setup, when our callback is not attached yet: restore its state here.
+        state = checkpoint.get("callbacks", {}).get(self._comm_callback.state_key)
+        if state:
+            self._comm_callback.load_state_dict(state)
+
     def _epoch_adaptive_update(self) -> dict[str, float]:
         """Sylvie's epoch-adaptive rule, on the global loss (identical on every rank)."""
         exchanger = self._exchanger
@@ -426,6 +448,7 @@ class FullGraphStrategy(DDPStrategy):
             "layer_dims": dict(ex.layer_dims),
             "staleness": ex.staleness.state_dict() if ex.staleness is not None else None,
             "last_loss": self._last_loss,
+            "link_costs": None if self._link_costs is None else {k: (c.alpha, c.beta) for k, c in self._link_costs.items()},
         }
 
     def load_pipeline_state(self, state: dict[str, Any]) -> None:
@@ -444,6 +467,11 @@ class FullGraphStrategy(DDPStrategy):
         if state.get("staleness") is not None and ex.staleness is not None:
             ex.staleness.load_state_dict(state["staleness"], device)
         self._last_loss = state.get("last_loss")
+        if state.get("link_costs") is not None and self._link_costs is not None:
+            from lightning_fullgraph.comm.assign import LinkCost
+
+            # the assignment must see the links the interrupted run measured
+            self._link_costs = {tuple(k): LinkCost(*ab) for k, ab in state["link_costs"].items()}
         self._pending_state = None
 
     # -- introspection --------------------------------------------------------------------

@@ -64,8 +64,10 @@ Solving: every pair belongs to exactly one round and ``Z_r`` couples only that r
 pairs, so the MILP separates exactly into ``W - 1`` independent per-round MILPs (``W`` pairs
 each in the joint problem), solved one by one with ``scipy.optimize.milp`` (HiGHS) sharing
 the time budget.  A round that stops at its time limit keeps HiGHS' incumbent
-(``status="time_limit"``); a round whose solve fails or raises starts from uniform max bits
-(AdaQP's pre-assignment schedule; ``status="fallback"``, the message names the rounds).
+(``status="time_limit"``); a round whose solve fails, raises, or stops without an incumbent
+falls back (``status="fallback"``, the message names the rounds): with ``improve=False`` to
+uniform max bits (AdaQP's pre-assignment schedule), otherwise to the best of a greedy
+descent (below) started from each uniform bit-width (max bits first, winning ties).
 
 Ties and refinement: with ``lambda = 0`` the bits of a pair that is not its round's
 bottleneck do not change the objective (likewise zero-variance groups for any ``lambda``).
@@ -73,7 +75,8 @@ Unless ``improve=False``, a coordinate descent on the exact objective runs after
 group takes its best bit-width given the others, moving only on a strict decrease or, on a
 tie, to fewer bits.  It never increases the objective, so it keeps optimal solutions optimal
 (breaking ties towards fewer bytes), improves time-limited incumbents and turns the
-fallback into a greedy assignment.
+fallback into a greedy assignment (descent can stall where several pairs share a round's
+maximum, so the greedy fallback is typically a few points of objective above the optimum).
 
 Reported ``variance``, ``round_times``, ``est_time`` and ``objective`` are always recomputed
 from the chosen bits, never read from the solver's ``Z``.
@@ -379,7 +382,7 @@ class AssignmentResult:
         solve_seconds: wall time spent building and solving the MILP.
         status: ``"optimal"`` (every round solved to ``mip_rel_gap``), ``"time_limit"``
             (some round kept HiGHS' incumbent), ``"fallback"`` (some round's solve failed; its
-            groups started from uniform max bits), ``"empty"`` (no groups) or ``"trivial"``
+            groups got the greedy / uniform-max-bits fallback), ``"empty"`` (no groups) or ``"trivial"``
             (a single bit choice).  Worst status over the rounds wins.
         average_bits: row-weighted mean bit-width (group mean if no rows, 0.0 if no groups).
         norm_variance: normalised variance term in ``[0, 1]``.
@@ -614,7 +617,8 @@ def assign_bits(
         improve: run :func:`_improve` (coordinate descent on the exact objective, ties to
             fewer bits) on the solution: it breaks ties (e.g. non-bottleneck pairs at
             ``lambda_ = 0``, zero-variance groups), improves time-limited incumbents and turns
-            the uniform-max-bits fallback into a greedy one.  Never increases the objective.
+            the fallback into a greedy one (best descent from each uniform start).  Never
+            increases the objective.
 
     Returns:
         An :class:`AssignmentResult`; ``bits_per_group`` is int64 ``[G]`` with values in
