@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -340,7 +341,9 @@ class FullGraphStrategy(DDPStrategy):
                 result = t.new_empty((num_global,) + tuple(t.shape[1:]))
                 result[n_id] = t
                 return result
-            sizes = [int(s) for s in self.all_gather(torch.tensor([n_owned], device=self.root_device)).view(-1)]
+            counts = [torch.zeros(1, dtype=torch.long, device=self.root_device) for _ in range(self.world_size)]
+            dist.all_gather(counts, torch.tensor([n_owned], device=self.root_device))
+            sizes = [int(c) for c in counts]
             width = max(sizes)
             padded = t.new_zeros((width,) + tuple(t.shape[1:]))
             padded[:n_owned] = t
@@ -574,9 +577,12 @@ class _CommMetricsLogger(Callback):
             figures["comm/staleness_mean"] = sum(ages) / len(ages) if ages else 0.0
             figures["comm/sync_epoch"] = float(exchanger._sync)
         figures.update(self.strategy._epoch_adaptive_update())
-        for name, value in figures.items():
-            if math.isfinite(value):
-                pl_module.log(name, value, on_step=False, on_epoch=True, reduce_fx="sum", batch_size=1)
+        with warnings.catch_warnings():
+            # already summed over ranks above (one all-reduce instead of one per metric)
+            warnings.filterwarnings("ignore", message=".*sync_dist=True.*")
+            for name, value in figures.items():
+                if math.isfinite(value):
+                    pl_module.log(name, value, on_step=False, on_epoch=True, reduce_fx="sum", batch_size=1)
 
     def state_dict(self) -> dict[str, Any]:
         # Called on every rank when a checkpoint is written (only rank 0's copy is saved), so
