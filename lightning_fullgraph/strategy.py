@@ -75,6 +75,8 @@ class FullGraphStrategy(DDPStrategy):
             (improves by less than ``adaptive_tolerance`` relative), double the bits (up to 8)
             and go synchronous; when it improves, halve them (down to 1) and go asynchronous.
         adaptive_tolerance: Relative loss improvement below which the loss counts as stalled.
+        compute_only: Benchmark bound: skip every halo transfer (halo rows are zeros, so
+            results are WRONG); measures what training costs without communication.
         link_costs: ``"measure"`` (adaptive adaqp: time sends on every link at setup) or
             ``"uniform"`` (the same nominal 1 GB/s, 100 us link everywhere: reproducible
             assignments, e.g. for tests).
@@ -118,6 +120,7 @@ class FullGraphStrategy(DDPStrategy):
         epoch_adaptive: bool = False,
         adaptive_tolerance: float = 1e-3,
         link_costs: Literal["measure", "uniform"] = "measure",
+        compute_only: bool = False,
         loss_weighting: Literal["train_mask", "mean", "sum"] = "train_mask",
         mask_key: str = "train_mask",
         timeout: timedelta | None = default_pg_timeout,
@@ -171,6 +174,7 @@ class FullGraphStrategy(DDPStrategy):
         if link_costs not in ("measure", "uniform"):
             raise ValueError(f"link_costs={link_costs!r}; choose 'measure' or 'uniform'")
         self.link_cost_source = link_costs
+        self.compute_only = compute_only
         self._failed = False
         self._step_loss: Tensor | None = None
         self._last_loss: float | None = None
@@ -226,6 +230,7 @@ class FullGraphStrategy(DDPStrategy):
         generator = torch.Generator(device=self.root_device).manual_seed(self.seed + self.global_rank)
         uniform_bits = None if self.bits is None else (8 if self.bits == "adaptive" else int(self.bits))
         self._exchanger = HaloExchanger(plan, group=self._halo_group, bits=uniform_bits, generator=generator)
+        self._exchanger.skip_transfers = self.compute_only
         for key in partition.data.keys():
             value = partition.data[key]
             if isinstance(value, Tensor) and value.dim() > 0 and value.size(0) == plan.num_owned:
