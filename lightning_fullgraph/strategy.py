@@ -49,6 +49,10 @@ __all__ = ["FullGraphStrategy", "MODES"]
 
 log = logging.getLogger(__name__)
 
+# The comm/* figures are summed over ranks with one all-reduce before logging; Lightning's
+# advice to pass sync_dist=True (one all-reduce per metric) does not apply to them.
+warnings.filterwarnings("ignore", message=r".*self\.log\('comm/.*sync_dist=True")
+
 MODES = ("exact", "adaqp", "sylvie")
 LOSS_WEIGHTINGS = ("train_mask", "mean", "sum")
 
@@ -75,6 +79,8 @@ class FullGraphStrategy(DDPStrategy):
             (improves by less than ``adaptive_tolerance`` relative), double the bits (up to 8)
             and go synchronous; when it improves, halve them (down to 1) and go asynchronous.
         adaptive_tolerance: Relative loss improvement below which the loss counts as stalled.
+        check_finite: Check every conv output and the loss for NaN/inf and stop with an error
+            naming the rank and the layer (one reduction per layer; off saves it).
         compute_only: Benchmark bound: skip every halo transfer (halo rows are zeros, so
             results are WRONG); measures what training costs without communication.
         link_costs: ``"measure"`` (adaptive adaqp: time sends on every link at setup) or
@@ -121,6 +127,7 @@ class FullGraphStrategy(DDPStrategy):
         adaptive_tolerance: float = 1e-3,
         link_costs: Literal["measure", "uniform"] = "measure",
         compute_only: bool = False,
+        check_finite: bool = True,
         loss_weighting: Literal["train_mask", "mean", "sum"] = "train_mask",
         mask_key: str = "train_mask",
         timeout: timedelta | None = default_pg_timeout,
@@ -175,6 +182,7 @@ class FullGraphStrategy(DDPStrategy):
             raise ValueError(f"link_costs={link_costs!r}; choose 'measure' or 'uniform'")
         self.link_cost_source = link_costs
         self.compute_only = compute_only
+        self.check_finite = check_finite
         self._failed = False
         self._step_loss: Tensor | None = None
         self._last_loss: float | None = None
@@ -239,7 +247,7 @@ class FullGraphStrategy(DDPStrategy):
             from lightning_fullgraph.comm.staleness import StalenessState
 
             self._exchanger.staleness = StalenessState(self.staleness, self.smoothing, self.smooth)
-        self._ctx = HaloContext(self._exchanger, overlap=self.overlap)
+        self._ctx = HaloContext(self._exchanger, overlap=self.overlap, check_finite=self.check_finite)
         if self.bits == "adaptive" and trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
             from lightning_fullgraph.comm.adaptive import measure_link_costs, receiver_weights
 
@@ -286,6 +294,13 @@ class FullGraphStrategy(DDPStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self.check_finite and self._loss_scale != 0 and not bool(torch.isfinite(closure_loss).all()):
+            # (a rank without training nodes may return the NaN mean of nothing: scaled by 0)
+            raise FloatingPointError(
+                f"rank {self.global_rank}: the training loss is {float(closure_loss)} at epoch "
+                f"{self.lightning_module.current_epoch if self.lightning_module else '?'}; every layer "
+                "output was finite, so the loss computation itself produced it"
+            )
         scaled = closure_loss * self._loss_scale
         self._step_loss = scaled.detach()
         super().backward(scaled, optimizer, *args, **kwargs)
@@ -582,12 +597,9 @@ class _CommMetricsLogger(Callback):
             figures["comm/staleness_mean"] = sum(ages) / len(ages) if ages else 0.0
             figures["comm/sync_epoch"] = float(exchanger._sync)
         figures.update(self.strategy._epoch_adaptive_update())
-        with warnings.catch_warnings():
-            # already summed over ranks above (one all-reduce instead of one per metric)
-            warnings.filterwarnings("ignore", message=".*sync_dist=True.*")
-            for name, value in figures.items():
-                if math.isfinite(value):
-                    pl_module.log(name, value, on_step=False, on_epoch=True, reduce_fx="sum", batch_size=1)
+        for name, value in figures.items():
+            if math.isfinite(value):
+                pl_module.log(name, value, on_step=False, on_epoch=True, reduce_fx="sum", batch_size=1)
 
     def state_dict(self) -> dict[str, Any]:
         # Called on every rank when a checkpoint is written (only rank 0's copy is saved), so

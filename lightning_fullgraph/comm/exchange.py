@@ -292,9 +292,9 @@ class HaloExchanger:
             x: ``[N_r, *]`` rows this rank owns.
             exact: Never compress (for metadata such as degrees).
 
-        Tensors that do not require grad and are the very same object (same version) as in
-        an earlier call reuse that call's halo rows (fp32): static features cross the wire
-        once.  Inside a training step with compression on, every other exchange (forward
+        Tensors registered with :meth:`register_static` (the batch's features) that are the
+        very same object at the same version as in an earlier call reuse that call's halo
+        rows (fp32): static features cross the wire once.  Inside a training step with compression on, every other exchange (forward
         rows and, in backward, their gradients) is quantized at the current layer's
         bit-widths; layers are numbered by call order within the step.
         """
@@ -322,6 +322,11 @@ class HaloExchanger:
         return self._fetch_static(x)
 
     def _fetch_static(self, x: Tensor) -> Tensor:
+        # Only registered tensors (the batch's own, the same role on every rank) are cached:
+        # a hit skips a collective, so hits must happen on all ranks or on none.
+        if not self._is_static(x):
+            self.stats.forward_exchanges += 1
+            return self.fetch(x.detach())
         entry = self._static.get(id(x))
         if entry is not None and entry[0]() is x and entry[1] == x._version:
             self.stats.cache_hits += 1
@@ -330,10 +335,7 @@ class HaloExchanger:
         self.stats.forward_exchanges += 1
         # Keep only live entries; a tensor that died can never be hit again.
         self._static = {k: v for k, v in self._static.items() if v[0]() is not None}
-        try:
-            self._static[id(x)] = (weakref.ref(x), x._version, halo)
-        except TypeError:  # pragma: no cover - tensors are weak-referenceable
-            pass
+        self._static[id(x)] = (weakref.ref(x), x._version, halo)
         return halo
 
     def clear_cache(self) -> None:

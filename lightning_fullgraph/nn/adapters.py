@@ -76,9 +76,10 @@ class HaloContext:
         exchanger: Moves halo rows for this rank.
     """
 
-    def __init__(self, exchanger: HaloExchanger, overlap: bool = False) -> None:
+    def __init__(self, exchanger: HaloExchanger, overlap: bool = False, check_finite: bool = False) -> None:
         self.exchanger = exchanger
         self.overlap = overlap
+        self.check_finite = check_finite
         self._norm_cache: dict[tuple, tuple[weakref.ref, Any, tuple[Tensor, Tensor]]] = {}
         self._split_cache: tuple[weakref.ref, int, int, Any] | None = None
 
@@ -328,6 +329,7 @@ def install_adapters(module: nn.Module, ctx: HaloContext) -> list[MessagePassing
     Returns:
         The patched convs (pass to :func:`uninstall_adapters`).
     """
+    names = {id(m): n for n, m in module.named_modules()}
     convs = [m for m in module.modules() if isinstance(m, MessagePassing)]
     for conv in convs:
         if _find_adapter(conv) is None:
@@ -344,14 +346,35 @@ def install_adapters(module: nn.Module, ctx: HaloContext) -> list[MessagePassing
         adapter = _find_adapter(conv)
         original = types.MethodType(type(conv).forward, conv)
 
-        def forward(*args: Any, _conv=conv, _orig=original, _adapter=adapter, **kwargs: Any) -> Any:
-            x, edge_index, rest, kw = _split_x_edge_index(args, kwargs)
-            ctx.check_input(_conv, x, edge_index)
-            return _adapter(_conv, _orig, ctx, x, edge_index, rest, kw)
-
+        forward = _make_forward(conv, original, adapter, names.get(id(conv), "?"), ctx)
         object.__setattr__(conv, _PATCH_ATTR, original)
         object.__setattr__(conv, "forward", forward)
     return convs
+
+
+def _make_forward(
+    conv: MessagePassing, original: Callable[..., Any], adapter: ConvAdapter, name: str, ctx: HaloContext
+) -> Callable[..., Any]:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        x, edge_index, rest, kw = _split_x_edge_index(args, kwargs)
+        ctx.check_input(conv, x, edge_index)
+        out = adapter(conv, original, ctx, x, edge_index, rest, kw)
+        if ctx.check_finite:
+            _check_finite(out, name, conv, ctx)
+        return out
+
+    return forward
+
+
+def _check_finite(out: Any, name: str, conv: nn.Module, ctx: HaloContext) -> None:
+    value = out[0] if isinstance(out, tuple) else out
+    if isinstance(value, Tensor) and not bool(torch.isfinite(value).all()):
+        bad = int((~torch.isfinite(value)).any(dim=-1).sum()) if value.dim() > 1 else int((~torch.isfinite(value)).sum())
+        raise FloatingPointError(
+            f"rank {ctx.exchanger.plan.rank}: layer '{name}' ({type(conv).__name__}) produced non-finite values "
+            f"in {bad} of its {value.size(0)} output rows; training stopped. Lower the learning rate, check "
+            f"the input features, or pass FullGraphStrategy(check_finite=False) to skip this check."
+        )
 
 
 def uninstall_adapters(convs: list[MessagePassing]) -> None:

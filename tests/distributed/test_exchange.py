@@ -49,6 +49,12 @@ def _forward_backward(rank: int, world_size: int) -> None:
 def _static_cache(rank: int, world_size: int) -> None:
     data, local, ex = _setup(rank, world_size)
     x = data.x[local[rank].data.n_id].clone()
+    other = x.clone()
+    ex.exchange(other)
+    ex.exchange(other)  # not registered: fetched every time
+    assert ex.stats.cache_hits == 0 and ex.stats.forward_exchanges == 2
+    ex.stats.reset()
+    ex.register_static(x)
     first = ex.exchange(x)
     sent = ex.stats.bytes_sent
     again = ex.exchange(x)

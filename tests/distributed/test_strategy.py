@@ -169,11 +169,28 @@ def test_registry_names_and_modes() -> None:
         assert trainer.strategy.mode == mode
     with pytest.raises(ValueError, match="choose one of"):
         FullGraphStrategy(mode="fp16")
-    with pytest.raises(NotImplementedError, match="mode='exact' or 'adaqp'"):
-        FullGraphStrategy(mode="sylvie")
+    assert FullGraphStrategy(mode="sylvie").bits == 1
+    with pytest.raises(ValueError, match="staleness"):
+        FullGraphStrategy(mode="sylvie", staleness=0)
     with pytest.raises(ValueError, match="drop `bits`"):
         FullGraphStrategy(mode="exact", bits=4)
     with pytest.raises(ValueError, match="bits=3"):
         FullGraphStrategy(mode="adaqp", bits=3)
     assert FullGraphStrategy(mode="adaqp").bits == "adaptive"
     assert FullGraphStrategy(mode="adaqp").overlap and not FullGraphStrategy().overlap
+
+
+class _Diverges(NodeClassifier):
+    def forward(self, x, edge_index):
+        # every rank runs the same operations; only rank 1's values blow up
+        scale = torch.ones_like(x)
+        if self.current_epoch == 1 and self.global_rank == 1:
+            scale[0, 0] = float("inf")
+        return super().forward(x * scale, edge_index)
+
+
+def test_non_finite_values_stop_training_naming_rank_and_layer(tmp_path) -> None:
+    start = time.monotonic()
+    with pytest.raises(Exception, match=r"rank 1: layer 'convs\.0' \(GCNConv\) produced non-finite"):
+        cpu_trainer(2, max_epochs=3).fit(_Diverges(conv="gcn"), datamodule=FullGraphDataModule(directed_graph(), cache_dir=tmp_path))
+    assert time.monotonic() - start < 60

@@ -1,0 +1,277 @@
+"""Up-front checks of a global graph before it is partitioned.
+
+:func:`validate_graph` inspects a PyG :class:`~torch_geometric.data.Data` and raises
+:class:`GraphValidationError` on the first problem it finds, with a message that names the
+problem (which attribute, what was expected, what was found) and says how to fix it.  It is
+meant to run in ``FullGraphDataModule.prepare_data`` (before partitioning) and ``setup``,
+so that a malformed graph fails with a readable error instead of a shape mismatch deep
+inside METIS, the halo plan or a distributed collective.
+
+Every check is vectorised (a handful of reductions over each tensor, no Python loop over
+nodes or edges), so validation costs far less than partitioning.  ``data`` is only read,
+never modified.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch_geometric.data import Data
+
+__all__ = ["MASK_KEYS", "EDGE_KEYS", "GraphValidationError", "validate_graph"]
+
+MASK_KEYS: tuple[str, ...] = ("train_mask", "val_mask", "test_mask")
+"""Node masks that are checked whenever present (plus ``mask_key``)."""
+
+EDGE_KEYS: tuple[str, ...] = ("edge_weight", "edge_attr")
+"""Edge-level attributes that are checked whenever present."""
+
+_INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+class GraphValidationError(ValueError):
+    """The graph cannot be partitioned or trained on; the message says why and how to fix it."""
+
+
+def _is_integer(t: Tensor) -> bool:
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
+
+def _num_nodes(data: Data) -> int:
+    try:
+        num_nodes = data.num_nodes
+    except Exception as err:  # PyG infers num_nodes from the attributes; malformed ones can break it
+        raise GraphValidationError(
+            f"cannot determine the number of nodes ({type(err).__name__}: {err}); set data.num_nodes = N "
+            "and check that data.edge_index is an int64 tensor of shape [2, E]"
+        ) from err
+    if num_nodes is None:
+        raise GraphValidationError(
+            "the graph is empty: data.num_nodes is None (no node-level attribute and no num_nodes); "
+            "set data.num_nodes or node features data.x"
+        )
+    if isinstance(num_nodes, Tensor):
+        num_nodes = num_nodes.item() if num_nodes.numel() == 1 else None
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int):
+        raise GraphValidationError(
+            f"data.num_nodes must be an int, got {type(data.num_nodes).__name__}; set data.num_nodes = N"
+        )
+    if num_nodes <= 0:
+        raise GraphValidationError(
+            f"the graph is empty: data.num_nodes={num_nodes}; a graph to partition needs at least one node"
+        )
+    return num_nodes
+
+
+def _check_num_parts(num_parts: object, num_nodes: int) -> None:
+    if isinstance(num_parts, bool) or not isinstance(num_parts, int):
+        raise GraphValidationError(f"num_parts must be an int, got {type(num_parts).__name__}")
+    if num_parts < 1:
+        raise GraphValidationError(f"num_parts must be >= 1, got {num_parts}; use num_parts=1 for one rank")
+    if num_parts > num_nodes:
+        raise GraphValidationError(
+            f"num_parts={num_parts} exceeds num_nodes={num_nodes}: every part must own at least one node; "
+            f"use at most {num_nodes} parts (fewer ranks) or a larger graph"
+        )
+
+
+def _check_edge_index(data: Data, num_nodes: int) -> int:
+    """Checks ``data.edge_index`` and returns the number of edges ``E``."""
+    edge_index = data.get("edge_index")
+    if edge_index is None:
+        raise GraphValidationError(
+            "data.edge_index is missing: the graph needs its edges as an int64 tensor of shape [2, E] "
+            "(row 0 = sources, row 1 = destinations); graphs stored only as adj_t are not supported, "
+            "set data.edge_index (e.g. torch.stack(adj_t.t().coo()[:2]))"
+        )
+    if not isinstance(edge_index, Tensor):
+        raise GraphValidationError(
+            f"data.edge_index must be a torch.Tensor of shape [2, E], got {type(edge_index).__name__}; "
+            "convert it with torch.as_tensor(edge_index, dtype=torch.long)"
+        )
+    if edge_index.dtype not in _INDEX_DTYPES:
+        raise GraphValidationError(
+            f"data.edge_index must have dtype torch.int64 or torch.int32, got {edge_index.dtype}; "
+            "convert it with data.edge_index = data.edge_index.long()"
+        )
+    if edge_index.dim() != 2 or edge_index.size(0) != 2:
+        raise GraphValidationError(
+            f"data.edge_index must have shape [2, E], got shape {list(edge_index.shape)}; "
+            "transpose an [E, 2] edge list with data.edge_index = edge_list.t().contiguous()"
+        )
+    num_edges = int(edge_index.size(1))
+    if num_edges > 0:
+        lo, hi = (int(v) for v in torch.aminmax(edge_index))
+        if lo < 0:
+            raise GraphValidationError(
+                f"data.edge_index contains negative node ids (min id {lo}, max id {hi}); node ids must be "
+                f"in [0, num_nodes={num_nodes}): remove the invalid edges or relabel the nodes"
+            )
+        if hi >= num_nodes:
+            raise GraphValidationError(
+                f"data.edge_index contains node ids out of range [0, num_nodes={num_nodes}): min id {lo}, "
+                f"max id {hi}; set data.num_nodes to the true node count or remove the invalid edges"
+            )
+    return num_edges
+
+
+def _non_finite(name: str, t: Tensor, unit: str) -> None:
+    """Raises if a floating tensor holds NaN or inf, naming how many and the first row."""
+    if not t.dtype.is_floating_point or t.numel() == 0:
+        return
+    # Fast path without a full-size temporary: any NaN/inf makes the sum NaN/inf.  A
+    # non-finite sum of finite values (overflow) falls through to the exact check below.
+    if bool(torch.isfinite(t.sum())):
+        return
+    bad = ~torch.isfinite(t)
+    num_bad = int(bad.sum())
+    if num_bad == 0:
+        return
+    bad_rows = bad.reshape(t.size(0), -1).any(dim=1) if t.dim() > 1 else bad
+    num_rows = int(bad_rows.sum())
+    first = int(torch.argmax(bad_rows.to(torch.uint8)))
+    num_nan = int(torch.isnan(t).sum())
+    raise GraphValidationError(
+        f"data.{name} holds {num_bad} non-finite value(s) ({num_nan} NaN, {num_bad - num_nan} inf) in "
+        f"{num_rows} {unit}(s), the first at {unit} index {first}; clean them before training, e.g. "
+        f"data.{name} = torch.nan_to_num(data.{name}) or impute/drop those {unit}s"
+    )
+
+
+def _check_x(data: Data, num_nodes: int) -> None:
+    x = data.get("x")
+    if x is None:
+        return
+    if not isinstance(x, Tensor):
+        raise GraphValidationError(f"data.x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() == 0 or x.size(0) != num_nodes:
+        raise GraphValidationError(
+            f"data.x has shape {list(x.shape)} but the graph has num_nodes={num_nodes}: node features need "
+            f"one row per node (shape [{num_nodes}, F]); fix data.x or data.num_nodes"
+        )
+    if not x.dtype.is_floating_point:
+        raise GraphValidationError(
+            f"data.x must be a floating tensor, got {x.dtype}; convert it with data.x = data.x.float()"
+        )
+    _non_finite("x", x, "node")
+
+
+def _check_y(data: Data, num_nodes: int) -> None:
+    y = data.get("y")
+    if y is None:
+        return
+    if not isinstance(y, Tensor):
+        raise GraphValidationError(f"data.y must be a torch.Tensor, got {type(y).__name__}")
+    if y.dim() == 0 or y.size(0) != num_nodes:
+        raise GraphValidationError(
+            f"data.y has shape {list(y.shape)} but the graph has num_nodes={num_nodes}: labels need one "
+            f"entry per node (shape [{num_nodes}] or [{num_nodes}, C]); graph-level labels are not "
+            "supported for node-level full-graph training"
+        )
+
+
+def _check_mask(data: Data, key: str, num_nodes: int) -> None:
+    mask = data.get(key)
+    if mask is None:
+        return
+    if not isinstance(mask, Tensor):
+        raise GraphValidationError(f"data.{key} must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        if _is_integer(mask):
+            raise GraphValidationError(
+                f"data.{key} has dtype {mask.dtype}, but masks must be bool [num_nodes]; it looks like an "
+                f"index tensor: convert with index_to_mask, e.g. data.{key} = "
+                f"torch_geometric.utils.index_to_mask(data.{key}, size={num_nodes})"
+            )
+        raise GraphValidationError(
+            f"data.{key} has dtype {mask.dtype}, but masks must be bool [num_nodes]; convert it with "
+            f"data.{key} = data.{key} != 0"
+        )
+    if mask.dim() not in (1, 2) or mask.size(0) != num_nodes:
+        raise GraphValidationError(
+            f"data.{key} has shape {list(mask.shape)} but the graph has num_nodes={num_nodes}: a node mask "
+            f"needs one entry per node (shape [{num_nodes}], or [{num_nodes}, S] for S splits)"
+        )
+
+
+def _check_train(data: Data, mask_key: str) -> None:
+    mask = data.get(mask_key)
+    if mask is None:
+        raise GraphValidationError(
+            f"data.{mask_key} is missing, so no node is marked for training; add a bool mask "
+            f"data.{mask_key} of shape [num_nodes], or pass require_train=False if this graph is not "
+            "trained on"
+        )
+    if not bool(mask.any()):
+        raise GraphValidationError(
+            f"data.{mask_key} has no True entry: there is no training node anywhere in the graph; mark "
+            f"the training nodes in data.{mask_key}, or pass require_train=False if this graph is not "
+            "trained on"
+        )
+
+
+def _check_edge_attr(data: Data, key: str, num_edges: int) -> None:
+    value = data.get(key)
+    if value is None:
+        return
+    if not isinstance(value, Tensor):
+        raise GraphValidationError(f"data.{key} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dim() == 0 or value.size(0) != num_edges:
+        raise GraphValidationError(
+            f"data.{key} has shape {list(value.shape)} but data.edge_index has E={num_edges} edges: "
+            f"edge attributes need one row per edge (shape [{num_edges}, ...]) in edge_index order; "
+            "filter them with the same mask as edge_index"
+        )
+    _non_finite(key, value, "edge")
+
+
+def validate_graph(
+    data: Data,
+    num_parts: int | None = None,
+    require_train: bool = True,
+    mask_key: str = "train_mask",
+) -> None:
+    """Checks that ``data`` is a well-formed graph for partitioning and full-graph training.
+
+    The checks, in order: the node count; ``num_parts``; ``edge_index`` (present, a tensor,
+    int64/int32, shape ``[2, E]``, ids in ``[0, num_nodes)``); ``x`` (one floating, finite
+    row per node); ``y`` (one entry per node); the node masks ``train_mask``, ``val_mask``,
+    ``test_mask`` and ``mask_key`` when present (bool, one entry per node; ``[N, S]``
+    multi-split masks are accepted); with ``require_train`` at least one node in
+    ``data[mask_key]``; ``edge_weight`` / ``edge_attr`` (one finite row per edge).
+    Attributes other than these are not inspected.  ``data`` is not modified.
+
+    Args:
+        data: The global graph.
+        num_parts: Number of parts it will be split into (the world size), or ``None`` to
+            skip that check.
+        require_train: Require ``data[mask_key]`` to exist and mark at least one node.
+        mask_key: Name of the node mask of the training nodes.
+
+    Raises:
+        GraphValidationError: (a ``ValueError``) on the first problem found: ``data`` is not a
+            ``Data``; an empty graph (``num_nodes`` None or 0); ``num_parts`` < 1 or
+            > ``num_nodes``; ``edge_index`` missing, not a tensor, of the wrong dtype or
+            shape, or holding negative / out-of-range node ids; ``x`` of the wrong length,
+            not floating, or holding NaN/inf; ``y`` of the wrong length; a mask that is not
+            bool (an integer index tensor: convert with ``index_to_mask``) or of the wrong
+            length; no training node (with ``require_train``); ``edge_weight`` /
+            ``edge_attr`` of the wrong length or holding NaN/inf.
+    """
+    if not isinstance(data, Data):
+        raise GraphValidationError(
+            f"expected a torch_geometric.data.Data graph, got {type(data).__name__}; pass one homogeneous "
+            "graph (convert a HeteroData with data.to_homogeneous())"
+        )
+    num_nodes = _num_nodes(data)
+    if num_parts is not None:
+        _check_num_parts(num_parts, num_nodes)
+    num_edges = _check_edge_index(data, num_nodes)
+    _check_x(data, num_nodes)
+    _check_y(data, num_nodes)
+    for key in dict.fromkeys((*MASK_KEYS, mask_key)):
+        _check_mask(data, key, num_nodes)
+    if require_train:
+        _check_train(data, mask_key)
+    for key in EDGE_KEYS:
+        _check_edge_attr(data, key, num_edges)
