@@ -28,6 +28,7 @@ from lightning_fullgraph.partition.cache import (
 )
 from lightning_fullgraph.partition.partitioner import PARTITION_METHODS
 from lightning_fullgraph.partition.plan import LocalPartition
+from lightning_fullgraph.validation import validate_graph
 
 __all__ = ["FullGraphDataModule", "load_graph"]
 
@@ -94,6 +95,8 @@ class FullGraphDataModule(pl.LightningDataModule):
         seed: Partitioner seed.
         dataset_kwargs: Extra arguments of ``load_dataset`` for named datasets (e.g. the
             size of the generated ``"community"`` graph).
+        require_train: Refuse a graph without any node in ``train_mask`` (set False for
+            graphs used only to validate, test or predict).
 
     Attributes:
         local_partition: This rank's :class:`LocalPartition` after ``setup``.
@@ -110,6 +113,7 @@ class FullGraphDataModule(pl.LightningDataModule):
         root: str | os.PathLike | None = None,
         seed: int = 0,
         dataset_kwargs: dict[str, Any] | None = None,
+        require_train: bool = True,
     ) -> None:
         super().__init__()
         if partition not in PARTITION_METHODS:
@@ -123,6 +127,7 @@ class FullGraphDataModule(pl.LightningDataModule):
         self.root = root
         self.seed = seed
         self.dataset_kwargs = dict(dataset_kwargs or {})
+        self.require_train = require_train
         self.local_partition: LocalPartition | None = None
         self.partition_result: PartitionResult | None = None
         self._folder: Path | None = None
@@ -174,6 +179,8 @@ class FullGraphDataModule(pl.LightningDataModule):
             log.info("using partition folder %s (%s)", given, manifest.get("method"))
             return
         graph = self.global_graph()
+        # Before any partitioning or process-group work: bad input fails here, with the fix.
+        validate_graph(graph, num_parts=parts, require_train=self.require_train)
         self.partition_result = ensure_partitions(
             graph, parts, method=self.partition, seed=self.seed, cache_root=self.cache_dir
         )

@@ -255,7 +255,9 @@ class FullGraphStrategy(DDPStrategy):
                 from lightning_fullgraph.comm.assign import LinkCost
 
                 w = self.world_size
-                self._link_costs = {(a, b): LinkCost(1e-9, 1e-4) for a in range(w) for b in range(w) if a != b}
+                self._link_costs = {
+                    (a, b): LinkCost(1e-9, 1e-4) for a in range(w) for b in range(w) if a != b
+                }
             else:
                 self._link_costs = measure_link_costs(self._halo_group, self.global_rank, self.world_size)
             self._send_weights = receiver_weights(self._exchanger, partition.data.edge_index)
@@ -293,7 +295,9 @@ class FullGraphStrategy(DDPStrategy):
         _sync_module_states(self.model)
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+    def backward(
+        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Tensor:
         if self.check_finite and self._loss_scale != 0 and not bool(torch.isfinite(closure_loss).all()):
             # (a rank without training nodes may return the NaN mean of nothing: scaled by 0)
             raise FloatingPointError(
@@ -361,7 +365,9 @@ class FullGraphStrategy(DDPStrategy):
                 result = t.new_empty((num_global,) + tuple(t.shape[1:]))
                 result[n_id] = t
                 return result
-            counts = [torch.zeros(1, dtype=torch.long, device=self.root_device) for _ in range(self.world_size)]
+            counts = [
+                torch.zeros(1, dtype=torch.long, device=self.root_device) for _ in range(self.world_size)
+            ]
             dist.all_gather(counts, torch.tensor([n_owned], device=self.root_device))
             sizes = [int(c) for c in counts]
             width = max(sizes)
@@ -471,7 +477,9 @@ class FullGraphStrategy(DDPStrategy):
             "layer_dims": dict(ex.layer_dims),
             "staleness": ex.staleness.state_dict() if ex.staleness is not None else None,
             "last_loss": self._last_loss,
-            "link_costs": None if self._link_costs is None else {k: (c.alpha, c.beta) for k, c in self._link_costs.items()},
+            "link_costs": None
+            if self._link_costs is None
+            else {k: (c.alpha, c.beta) for k, c in self._link_costs.items()},
         }
 
     def load_pipeline_state(self, state: dict[str, Any]) -> None:
@@ -484,7 +492,9 @@ class FullGraphStrategy(DDPStrategy):
         if state.get("generator") is not None and ex.generator is not None:
             ex.generator.set_state(state["generator"])
         ex.bits = state.get("bits", ex.bits)
-        ex.layer_bits = {int(k): (a.to(device), b.to(device)) for k, (a, b) in state.get("layer_bits", {}).items()}
+        ex.layer_bits = {
+            int(k): (a.to(device), b.to(device)) for k, (a, b) in state.get("layer_bits", {}).items()
+        }
         ex.row_range = {int(k): v.to(device) for k, v in state.get("row_range", {}).items()}
         ex.layer_dims = {int(k): int(v) for k, v in state.get("layer_dims", {}).items()}
         if state.get("staleness") is not None and ex.staleness is not None:
@@ -537,6 +547,9 @@ def _warn_non_exact_layers(module: torch.nn.Module) -> None:
             "Use per-node normalisation (torch.nn.LayerNorm, or PyG LayerNorm(mode='node')) for "
             "exact results."
         )
+
+
+_PROGRESS_BAR = ("comm/bytes_sent", "comm/bits")
 
 
 class _CommMetricsLogger(Callback):
@@ -599,7 +612,15 @@ class _CommMetricsLogger(Callback):
         figures.update(self.strategy._epoch_adaptive_update())
         for name, value in figures.items():
             if math.isfinite(value):
-                pl_module.log(name, value, on_step=False, on_epoch=True, reduce_fx="sum", batch_size=1)
+                pl_module.log(
+                    name,
+                    value,
+                    on_step=False,
+                    on_epoch=True,
+                    reduce_fx="sum",
+                    batch_size=1,
+                    prog_bar=name in _PROGRESS_BAR,
+                )
 
     def state_dict(self) -> dict[str, Any]:
         # Called on every rank when a checkpoint is written (only rank 0's copy is saved), so

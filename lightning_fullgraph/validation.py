@@ -14,6 +14,8 @@ never modified.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor
 from torch_geometric.data import Data
@@ -52,10 +54,11 @@ def _num_nodes(data: Data) -> int:
         )
     if isinstance(num_nodes, Tensor):
         num_nodes = num_nodes.item() if num_nodes.numel() == 1 else None
-    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int):
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, numbers.Integral):
         raise GraphValidationError(
             f"data.num_nodes must be an int, got {type(data.num_nodes).__name__}; set data.num_nodes = N"
         )
+    num_nodes = int(num_nodes)
     if num_nodes <= 0:
         raise GraphValidationError(
             f"the graph is empty: data.num_nodes={num_nodes}; a graph to partition needs at least one node"
@@ -64,8 +67,9 @@ def _num_nodes(data: Data) -> int:
 
 
 def _check_num_parts(num_parts: object, num_nodes: int) -> None:
-    if isinstance(num_parts, bool) or not isinstance(num_parts, int):
+    if isinstance(num_parts, bool) or not isinstance(num_parts, numbers.Integral):
         raise GraphValidationError(f"num_parts must be an int, got {type(num_parts).__name__}")
+    num_parts = int(num_parts)
     if num_parts < 1:
         raise GraphValidationError(f"num_parts must be >= 1, got {num_parts}; use num_parts=1 for one rank")
     if num_parts > num_nodes:
@@ -119,18 +123,24 @@ def _non_finite(name: str, t: Tensor, unit: str) -> None:
     """Raises if a floating tensor holds NaN or inf, naming how many and the first row."""
     if not t.dtype.is_floating_point or t.numel() == 0:
         return
-    # Fast path without a full-size temporary: any NaN/inf makes the sum NaN/inf.  A
-    # non-finite sum of finite values (overflow) falls through to the exact check below.
+    # Any NaN/inf makes a sum NaN/inf, so reduce first and look closely only at suspect rows:
+    # no full-size temporary on the (usual) clean path.  A non-finite sum of finite values
+    # (overflow) is caught by the exact check on those rows.
     if bool(torch.isfinite(t.sum())):
         return
-    bad = ~torch.isfinite(t)
-    num_bad = int(bad.sum())
-    if num_bad == 0:
+    row_sums = t if t.dim() == 1 else t.sum(dim=tuple(range(1, t.dim())))
+    suspect = (~torch.isfinite(row_sums)).nonzero().flatten()
+    if suspect.numel() == 0:
         return
-    bad_rows = bad.reshape(t.size(0), -1).any(dim=1) if t.dim() > 1 else bad
-    num_rows = int(bad_rows.sum())
-    first = int(torch.argmax(bad_rows.to(torch.uint8)))
-    num_nan = int(torch.isnan(t).sum())
+    rows = t[suspect]
+    bad = ~torch.isfinite(rows)
+    bad_rows = bad.reshape(rows.size(0), -1).any(dim=1)
+    if not bool(bad_rows.any()):
+        return
+    num_bad = int(bad.count_nonzero())
+    num_nan = int(torch.isnan(rows).count_nonzero())
+    num_rows = int(bad_rows.count_nonzero())
+    first = int(suspect[bad_rows][0])
     raise GraphValidationError(
         f"data.{name} holds {num_bad} non-finite value(s) ({num_nan} NaN, {num_bad - num_nan} inf) in "
         f"{num_rows} {unit}(s), the first at {unit} index {first}; clean them before training, e.g. "

@@ -136,3 +136,22 @@ def test_datamodule_arguments_are_validated() -> None:
         FullGraphDataModule(directed_graph(), partition="kmeans")
     with pytest.raises(ValueError, match="num_parts"):
         FullGraphDataModule(directed_graph(), num_parts=0)
+
+
+def test_bad_input_is_refused_before_partitioning(tmp_path, monkeypatch) -> None:
+    from lightning_fullgraph.validation import GraphValidationError
+
+    import lightning_fullgraph.partition.partitioner as partitioner
+
+    monkeypatch.setattr(partitioner, "partition_graph", lambda *a, **k: pytest.fail("partitioned bad input"))
+    data = directed_graph()
+    data.x[3, 1] = float("nan")
+    with pytest.raises(GraphValidationError, match="NaN"):
+        FullGraphDataModule(data, cache_dir=tmp_path).setup("fit")
+    data = directed_graph()
+    data.edge_index[0, 0] = data.num_nodes + 5
+    with pytest.raises(GraphValidationError, match="edge_index"):
+        FullGraphDataModule(data, cache_dir=tmp_path).setup("fit")
+    with pytest.raises(GraphValidationError, match="num_parts"):
+        FullGraphDataModule(directed_graph(num_nodes=10, num_edges=20, num_isolated=0), num_parts=11,
+                            cache_dir=tmp_path).setup("fit")

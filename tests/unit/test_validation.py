@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch_geometric.data import Data
@@ -46,6 +47,7 @@ def test_valid_graph_passes() -> None:
     validate_graph(make_graph())
     validate_graph(make_graph(), num_parts=1)
     validate_graph(make_graph(), num_parts=N)
+    validate_graph(make_graph(), num_parts=np.int64(2))  # numpy ints count as ints
 
 
 def test_minimal_valid_graphs_pass() -> None:
