@@ -334,6 +334,11 @@ class FullGraphStrategy(DDPStrategy):
         for grads in by_dtype.values():
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            if self.check_finite and not bool(torch.isfinite(flat).all()):
+                raise FloatingPointError(
+                    f"rank {self.global_rank}: the summed weight gradient holds NaN/inf although every "
+                    "layer output and loss was finite on this rank; another rank's log names the cause"
+                )
             offset = 0
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))

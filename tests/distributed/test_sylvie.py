@@ -116,3 +116,24 @@ def test_smoothing_and_epoch_adaptive_rule_run(tmp_path) -> None:
     # a 50 % relative-improvement bar counts most epochs as stalled: bits climb above 1
     assert float(metrics["comm/bits"]) > 1.0
     assert "comm/global_loss" in metrics
+
+
+class _WithValidation(NodeClassifier):
+    def validation_step(self, batch, batch_idx):
+        out = self(batch.x, batch.edge_index)
+        self.log("val_out", out.abs().mean(), batch_size=1, sync_dist=True)
+
+
+def test_evaluation_never_disturbs_the_pipeline(tmp_path) -> None:
+    """Validation between epochs (fresh fp32 exchanges) leaves training bit-for-bit unchanged."""
+    data = directed_graph(seed=23)
+    results = []
+    for val_batches in (0, 1):
+        torch.manual_seed(0)
+        model = _WithValidation(conv="sage", num_layers=3)
+        trainer = cpu_trainer(3, max_epochs=6, limit_val_batches=val_batches,
+                              strategy_kwargs={"mode": "sylvie", "staleness": 3})
+        trainer.fit(model, datamodule=FullGraphDataModule(data, cache_dir=tmp_path))
+        results.append({k: v.clone() for k, v in model.state_dict().items()})
+    for key in results[0]:
+        assert torch.equal(results[0][key], results[1][key]), key
