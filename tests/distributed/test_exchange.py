@@ -93,6 +93,7 @@ def test_a_failing_rank_fails_the_run_quickly() -> None:
     import torch.multiprocessing as mp
 
     start = time.monotonic()
-    with pytest.raises(mp.ProcessRaisedException, match="rank 1 broke on purpose"):
+    # whichever rank the launcher reports first: the one that raised, or its peer that lost it
+    with pytest.raises(mp.ProcessRaisedException, match="rank 1 broke on purpose|Connection closed by peer"):
         run_ranks(_fails_on_rank_one, 2)
     assert time.monotonic() - start < 40
