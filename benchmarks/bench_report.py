@@ -25,7 +25,10 @@ PHASE_LABELS = {
     "optimizer": "optimizer",
     "other": "other",
 }
-MODE_ORDER = ("exact", "adaqp", "sylvie", "compute-only")
+MODE_ORDER = (
+    "exact", "exact-overlap", "adaqp", "adaqp-nooverlap", "sylvie", "compute-only", "compute-only-overlap"
+)
+CPU = ("cpu_user", "cpu_sys", "cpu_main_thread", "cpu_other_threads", "minor_faults")
 
 
 def _median(values: list[float]) -> float | None:
@@ -36,16 +39,28 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def summarize(result: dict[str, Any], warmup: int) -> dict[str, Any]:
-    """Per-configuration figures from a worker result (see the module docstring)."""
-    ranks = result["ranks"]
+def summarize(results: dict[str, Any] | list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """Per-configuration figures from one worker result, or from repeats of the same
+    configuration (their measured epochs pooled; see the module docstring)."""
+    if isinstance(results, dict):
+        results = [results]
+    per_epoch = []
+    for repeat, result in enumerate(results):
+        per_epoch += _epochs(result["ranks"], warmup, repeat)
+    ranks = [r for result in results for r in result["ranks"]]
+    return _summary(per_epoch, ranks, len(results))
+
+
+def _epochs(ranks: list[dict[str, Any]], warmup: int, repeat: int) -> list[dict[str, Any]]:
     n_epochs = min(len(r["epochs"]) for r in ranks)
     measured = list(range(min(warmup, max(n_epochs - 1, 0)), n_epochs))
     per_epoch = []
     for e in measured:
         recs = [r["epochs"][e] for r in ranks]
-        row: dict[str, Any] = {"epoch": recs[0]["epoch"], "epoch_time": max(x["epoch_time"] for x in recs)}
-        for p in (*PHASES, "forward", "backward", "step_time"):
+        row: dict[str, Any] = {
+            "repeat": repeat, "epoch": recs[0]["epoch"], "epoch_time": max(x["epoch_time"] for x in recs)
+        }
+        for p in (*PHASES, *CPU, "forward", "backward", "step_time"):
             vals = [x[p] for x in recs if p in x]
             if vals:
                 row[p] = statistics.fmean(vals)
@@ -63,6 +78,10 @@ def summarize(result: dict[str, Any], warmup: int) -> dict[str, Any]:
             row["staleness_mean"] = statistics.fmean(x.get("staleness_mean", 0.0) for x in recs)
             row["sync"] = all(x.get("sync", True) for x in recs)
         per_epoch.append(row)
+    return per_epoch
+
+
+def _summary(per_epoch: list[dict[str, Any]], ranks: list[dict[str, Any]], repeats: int) -> dict[str, Any]:
     times = [r["epoch_time"] for r in per_epoch]
     bits_sent = sum(r.get("bits_sent", 0) for r in per_epoch)
     values_sent = sum(r.get("values_sent", 0) for r in per_epoch)
@@ -74,12 +93,14 @@ def summarize(result: dict[str, Any], warmup: int) -> dict[str, Any]:
 
     parts = [r["partition"] for r in ranks if r.get("partition")]
     summary: dict[str, Any] = {
+        "repeats": repeats,
         "epochs_measured": len(per_epoch),
         "epoch_time": _median(times),
         "epoch_time_mean": _mean(times),
         "epoch_time_min": min(times) if times else None,
         "epoch_time_max": max(times) if times else None,
         "phases": {p: _median([r[p] for r in per_epoch if p in r]) for p in (*PHASES, "forward", "backward")},
+        "cpu": {p: _median([r[p] for r in per_epoch if p in r]) for p in CPU},
         "wait_max_rank": _median([r["wait_max"] for r in per_epoch if "wait_max" in r]),
         "bytes_sent": _median([r["bytes_sent"] for r in per_epoch if "bytes_sent" in r]),
         "bytes_recv": _median([r["bytes_recv"] for r in per_epoch if "bytes_recv" in r]),
@@ -178,15 +199,41 @@ def main_table(report: dict[str, Any], section: str = "main") -> str:
 def phase_table(report: dict[str, Any], section: str = "main") -> str:
     head = " | ".join(PHASE_LABELS[p] for p in PHASES)
     lines = [
-        f"| graph | ranks | mode | epoch s | {head} | halo wait, slowest-waiting rank |",
-        "|---|---:|---|---:|" + "---:|" * (len(PHASES) + 1),
+        f"| graph | ranks | mode | epoch s | {head} | halo wait, most-waiting rank | wire s (bytes / link rate) |",
+        "|---|---:|---|---:|" + "---:|" * (len(PHASES) + 2),
     ]
     for run in _runs(report, section):
         s = run["summary"]
         cells = " | ".join(_f(s["phases"].get(p)) for p in PHASES)
         lines.append(
             f"| {run['graph_label']} | {run['ranks']} | {run['mode']} | {_f(s['epoch_time'])} | {cells} | "
-            f"{_f(s.get('wait_max_rank'))} |"
+            f"{_f(s.get('wait_max_rank'))} | {_f(wire_seconds(run))} |"
+        )
+    return "\n".join(lines)
+
+
+def wire_seconds(run: dict[str, Any]) -> float | None:
+    """Seconds the epoch's halo bytes need at the emulated rate (payload only, no headers)."""
+    rate = run.get("link_rate_bps")
+    sent = run["summary"].get("bytes_sent")
+    if not rate or sent is None:
+        return None
+    return sent * 8 / rate
+
+
+def cpu_table(report: dict[str, Any], section: str = "main") -> str:
+    lines = [
+        "| graph | ranks | mode | epoch s (wall) | CPU user s | CPU sys s | main thread CPU s | other threads CPU s "
+        "| minor page faults |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in _runs(report, section):
+        s = run["summary"]
+        c = s.get("cpu") or {}
+        lines.append(
+            f"| {run['graph_label']} | {run['ranks']} | {run['mode']} | {_f(s['epoch_time'])} | "
+            f"{_f(c.get('cpu_user'))} | {_f(c.get('cpu_sys'))} | {_f(c.get('cpu_main_thread'))} | "
+            f"{_f(c.get('cpu_other_threads'))} | {_f(c.get('minor_faults'), '{:.0f}')} |"
         )
     return "\n".join(lines)
 
@@ -262,9 +309,13 @@ def markdown(report: dict[str, Any], png_name: str | None) -> str:
     cfg = report["config"]
     lines = [f"# Benchmark `{report['name']}`", ""]
     lines.append(
-        f"{report['created']} · {cfg['conv']} x{cfg['layers']} hidden {cfg['hidden']} · link **{cfg['link']}**"
-        f" ({report['link']['description']}) · {cfg['warmup']} warm-up + {cfg['epochs']} measured epochs · "
-        f"{report['host']['cpus']} CPUs, 1 thread/rank, gloo · load average before/after "
+        f"{report['created']} · {cfg['conv']} x{cfg['layers']} hidden {cfg['hidden']} · malloc {cfg.get('malloc', 'default')}"
+        f" · link **{cfg['link']}**"
+        f" ({report['link']['description']}) · "
+        + (f"{cfg['warmup']} warm-up + {cfg['epochs']} measured epochs"
+           + (f" x {cfg['repeat']} rounds" if (cfg.get("repeat") or 1) > 1 else "") + " · "
+           if _runs(report, "main") else "")
+        + f"{report['host']['cpus']} CPUs, 1 thread/rank, gloo · load average before/after "
         f"{report['host'].get('load_before', '?')} / {report['host'].get('load_after', '?')}"
     )
     lines.append("")
@@ -282,11 +333,19 @@ def markdown(report: dict[str, Any], png_name: str | None) -> str:
             lines += ["Goals:", "", *goals, ""]
         lines += ["## Phase breakdown (seconds per epoch, mean over ranks, median over epochs)", "",
                   phase_table(report, "main"), ""]
+        lines += ["## CPU per rank and epoch (mean over ranks, median over epochs)", "",
+                  cpu_table(report, "main"), ""]
     if scaling_rows(report):
         lines += ["## Scaling: per-rank memory and epoch time vs ranks and graph size (exact mode)", "",
                   scaling_table(report), ""]
     if _runs(report, "accuracy"):
-        lines += ["## Accuracy", "", main_table(report, "accuracy"), ""]
+        lines += [
+            f"## Accuracy ({cfg['accuracy']}, {cfg['accuracy_epochs']} training epochs, `Trainer.test` after `fit`; "
+            "time and traffic columns summarise the epochs after the first few)",
+            "",
+            main_table(report, "accuracy"),
+            "",
+        ]
     failed = [r for r in report["runs"] if r.get("error")]
     if failed:
         lines += ["## Failed runs", ""]
@@ -299,7 +358,8 @@ def markdown(report: dict[str, Any], png_name: str | None) -> str:
 
 
 def plot(report: dict[str, Any], path: str) -> bool:
-    """Writes the 2x2 figure; returns False (and writes nothing) without matplotlib."""
+    """Writes the figure (mode comparison on top, scaling below, whichever the run has);
+    returns False (and writes nothing) without matplotlib."""
     try:
         import matplotlib
 
@@ -307,8 +367,16 @@ def plot(report: dict[str, Any], path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    main = _runs(report, "main")
+    import numpy as np
+
+    main = _runs(report, "main") or _runs(report, "accuracy")
+    scal = scaling_rows(report)
+    rows = int(bool(main)) + int(bool(scal)) or 1
+    fig, grid = plt.subplots(rows, 2, figsize=(13, 4.5 * rows), squeeze=False)
+    # unused panels go to a hidden figure: the code below stays unconditional
+    spare = plt.figure().subplots(2, 2)
+    axes = np.array([list(grid[0]) if main else list(spare[0]),
+                     list(grid[-1]) if scal else list(spare[1])], dtype=object)
     colors = {
         "compute": "#4c72b0", "wait": "#dd8452", "quant": "#55a868", "assign": "#8172b3",
         "allreduce": "#c44e52", "optimizer": "#937860", "other": "#aaaaaa",
@@ -328,27 +396,33 @@ def plot(report: dict[str, Any], path: str) -> bool:
     ax.set_xticklabels(labels, fontsize=8)
     ax.set_ylabel("seconds / epoch")
     ax.set_title(f"Epoch time by phase (link {report['config']['link']})")
-    ax.legend(fontsize=7)
+    if main:
+        ax.legend(fontsize=7)
     # (b) bytes on the wire
     ax = axes[0, 1]
-    comm = [r for r in main if r["mode"] != "compute-only"]
+    comm = [r for r in main if not r["mode"].startswith("compute-only")]
     ax.bar(range(len(comm)), [(r["summary"]["bytes_sent"] or 0) / 1e6 for r in comm],
-           color=["#4c72b0" if r["mode"] == "exact" else "#55a868" if r["mode"] == "adaqp" else "#dd8452" for r in comm])
+           color=["#4c72b0" if r["mode"].startswith("exact") else "#55a868" if r["mode"].startswith("adaqp") else "#dd8452" for r in comm])
     ax.set_xticks(range(len(comm)))
     ax.set_xticklabels([f"{r['mode']}\n{r['ranks']}r" for r in comm], fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("MB sent per epoch (all ranks)")
     ax.set_title("Halo traffic")
     # (c) memory vs ranks, (d) epoch time vs ranks, one line per graph
-    scal = scaling_rows(report)
     for graph_key in sorted({r["graph_key"] for r in scal}, key=lambda k: report["graphs"][k]["nodes"]):
         rs = sorted((r for r in scal if r["graph_key"] == graph_key), key=lambda r: r["ranks"])
         label = report["graphs"][graph_key]["label"]
-        axes[1, 0].plot([r["ranks"] for r in rs], [r["summary"]["memory"]["peak_above_baseline_max"] or 0 for r in rs],
-                        marker="o", label=f"{label} (above baseline)")
+        mline = axes[1, 0].plot([r["ranks"] for r in rs],
+                                [r["summary"]["memory"]["peak_above_baseline_max"] or 0 for r in rs],
+                                marker="o", label=f"{label} (above baseline)")
         axes[1, 0].plot([r["ranks"] for r in rs], [r["summary"]["memory"]["peak_rss_max"] or 0 for r in rs],
-                        marker="x", linestyle=":", label=f"{label} (total)")
-        axes[1, 1].plot([r["ranks"] for r in rs], [r["summary"]["epoch_time"] for r in rs], marker="o", label=label)
+                        marker="x", linestyle=":", color=mline[0].get_color(), label=f"{label} (total RSS)")
+        line = axes[1, 1].plot([r["ranks"] for r in rs], [r["summary"]["epoch_time"] for r in rs], marker="o",
+                               label=f"{label} exact")
+        bound = [b for b in main if b["graph_key"] == graph_key and b["mode"] == "compute-only"]
+        if bound:
+            axes[1, 1].plot([b["ranks"] for b in bound], [b["summary"]["epoch_time"] for b in bound], marker="s",
+                            linestyle="--", color=line[0].get_color(), label=f"{label} compute-only")
     for ax, title, ylabel in (
         (axes[1, 0], "Peak memory per rank (exact)", "MiB (max over ranks)"),
         (axes[1, 1], "Epoch time vs ranks (exact)", "seconds / epoch"),
@@ -357,10 +431,11 @@ def plot(report: dict[str, Any], path: str) -> bool:
         ax.set_xticks(sorted({r["ranks"] for r in scal}) or [1])
         ax.set_title(title)
         ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
         if scal:
             ax.legend(fontsize=7)
     fig.suptitle(f"lightning-fullgraph benchmark '{report['name']}'")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plt.close("all")
     return True

@@ -28,6 +28,11 @@ What a rank records, per training epoch (``time.perf_counter``, seconds)::
 * ``other``     ``epoch - (forward + backward + allreduce + optimizer)``: Lightning's
   loop, the strategy's per-epoch metric all-reduce, logging.
 
+CPU accounting per epoch (``getrusage`` of the rank process, all threads, and
+``time.thread_time`` of the main thread): ``cpu_user``, ``cpu_sys``, ``cpu_main_thread`` and
+``cpu_other_threads`` (= user + sys - main thread: gloo's transport threads, which copy every
+halo byte through the kernel's loopback TCP stack) plus ``minor_faults``.
+
 Memory (MiB): ``rss_baseline`` is the rank's resident set right before it loads its part
 (torch, Lightning and PyG imported, process group up, model built), ``rss_after_load`` right
 after, ``peak_rss`` the high-water mark (``VmHWM``; ``ru_maxrss`` recorded too) at the end of
@@ -120,6 +125,7 @@ def _callback_class():
 
         # -- timestamps ----------------------------------------------------------------
         def on_train_epoch_start(self, trainer, pl_module) -> None:
+            self._cpu0 = (resource.getrusage(resource.RUSAGE_SELF), time.thread_time())
             self._t = {"epoch_start": time.perf_counter()}
             self._assign, self._assigned = 0.0, False
 
@@ -141,7 +147,16 @@ def _callback_class():
         def on_train_epoch_end(self, trainer, pl_module) -> None:
             t = self._t
             t["epoch_end"] = time.perf_counter()
+            ru1, thread1 = resource.getrusage(resource.RUSAGE_SELF), time.thread_time()
+            ru0, thread0 = self._cpu0
             rec: dict[str, Any] = {"epoch": trainer.current_epoch}
+            # CPU seconds of the whole rank process (all threads: the main thread plus gloo's
+            # transport threads, whose loopback TCP copies show up as sys time)
+            rec["cpu_user"] = ru1.ru_utime - ru0.ru_utime
+            rec["cpu_sys"] = ru1.ru_stime - ru0.ru_stime
+            rec["cpu_main_thread"] = thread1 - thread0
+            rec["cpu_other_threads"] = rec["cpu_user"] + rec["cpu_sys"] - rec["cpu_main_thread"]
+            rec["minor_faults"] = ru1.ru_minflt - ru0.ru_minflt
             if all(k in t for k in ("batch_start", "before_backward", "after_backward", "before_optimizer", "batch_end")):
                 rec["epoch_time"] = t["epoch_end"] - t["epoch_start"]
                 rec["step_time"] = t["batch_end"] - t["batch_start"]
@@ -252,10 +267,13 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     dm = _datamodule_class()(spec["partition_folder"])
     mode = spec["mode"]
     kwargs: dict[str, Any] = dict(spec.get("strategy_kwargs") or {})
-    if mode == "compute-only":
-        kwargs.update(mode="exact", compute_only=True)
-    else:
-        kwargs["mode"] = mode
+    variants = {
+        "compute-only": dict(mode="exact", compute_only=True),
+        "compute-only-overlap": dict(mode="exact", compute_only=True, overlap=True),
+        "exact-overlap": dict(mode="exact", overlap=True),
+        "adaqp-nooverlap": dict(mode="adaqp", overlap=False),
+    }
+    kwargs.update(variants.get(mode, {"mode": mode}))
     strategy = FullGraphStrategy(
         start_method="fork", timeout=timedelta(seconds=float(spec.get("pg_timeout", 300))), **kwargs
     )
@@ -279,7 +297,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     logged = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
     test_acc = None
     test_wall = None
-    if spec.get("test") and mode != "compute-only":
+    if spec.get("test") and not mode.startswith("compute-only"):
         t0 = time.perf_counter()
         (res,) = trainer.test(model, datamodule=dm, verbose=False)
         test_wall = time.perf_counter() - t0
