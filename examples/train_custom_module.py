@@ -7,12 +7,15 @@ travel quantized (AdaQP).  With ``strategy="fullgraph_exact"`` (fp32 messages) t
 equals training on the whole graph in one process.
 
     python examples/train_custom_module.py
+    python examples/train_custom_module.py --strategy fullgraph_exact --devices 4 --max-epochs 50
 
 Keep the ``if __name__ == "__main__":`` guard: the default ``popen`` launcher starts the
 other ranks by running this script again.
 """
 
 from __future__ import annotations
+
+import argparse
 
 import lightning.pytorch as pl
 import torch
@@ -76,6 +79,12 @@ class SAGE(pl.LightningModule):
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategy", default="fullgraph_quant", help="fullgraph_quant or fullgraph_exact")
+    parser.add_argument("--devices", type=int, default=2, help="CPU processes = graph parts (default 2)")
+    parser.add_argument("--max-epochs", type=int, default=100)
+    args = parser.parse_args()
+
     pl.seed_everything(0)
     # The embedded generated graph, a bit smaller and less noisy than the default one so the
     # example runs in seconds.  For a real dataset: FullGraphDataModule("Cora", root=...).
@@ -85,10 +94,10 @@ def main() -> None:
         in_channels=graph_kwargs["num_features"], num_classes=graph_kwargs["num_classes"], dropout=0.8
     )
     trainer = pl.Trainer(
-        strategy="fullgraph_quant",
+        strategy=args.strategy,
         accelerator="cpu",
-        devices=2,
-        max_epochs=100,
+        devices=args.devices,
+        max_epochs=args.max_epochs,
         log_every_n_steps=1,
         logger=False,
         enable_checkpointing=False,

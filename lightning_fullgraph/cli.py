@@ -164,6 +164,12 @@ class FullGraphCLI(LightningCLI):
         if not is_overridden("test_step", self.model):
             _print(f"not testing: {type(self.model).__name__} has no test_step")
             return
+        from lightning.pytorch.cli import SaveConfigCallback
+
+        for callback in trainer.callbacks:
+            # fit saved the config in its (forked) worker; this process never saw the flag
+            if isinstance(callback, SaveConfigCallback):
+                callback.already_saved = True
         trainer.test(self.model, datamodule=self.datamodule, verbose=False)
         _print_metrics("test metrics (final weights)", trainer, prefix="test")
 

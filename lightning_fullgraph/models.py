@@ -13,6 +13,7 @@ by OGB's official :class:`ogb.nodeproppred.Evaluator`.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -29,6 +30,10 @@ __all__ = ["GNNNodeClassifier"]
 ConvName = Literal["gcn", "sage", "gat", "gin", "graph"]
 MetricName = Literal["accuracy", "rocauc"]
 METRICS = ("accuracy", "rocauc")
+
+# val_ogb_acc / test_ogb_acc are computed from labels gathered from every rank, so each rank
+# logs the same value: Lightning's advice to add sync_dist=True does not apply to them.
+warnings.filterwarnings("ignore", message=r".*self\.log\('(val|test)_ogb_acc'.*sync_dist=True")
 
 
 def _conv(kind: str, in_dim: int, out_dim: int, heads: int, last: bool) -> nn.Module:

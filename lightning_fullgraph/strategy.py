@@ -158,11 +158,11 @@ class FullGraphStrategy(DDPStrategy):
         if loss_weighting not in LOSS_WEIGHTINGS:
             raise ValueError(f"loss_weighting={loss_weighting!r}; choose one of {LOSS_WEIGHTINGS}")
         ddp_only = {"find_unused_parameters", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb"}
-        ignored = sorted(ddp_only & kwargs.keys())
-        for key in ignored:
-            kwargs.pop(key)
-        if ignored:
-            rank_zero_warn(f"FullGraphStrategy does not wrap the model in DDP; ignoring {ignored}")
+        ignored = {key: kwargs.pop(key) for key in sorted(ddp_only & kwargs.keys())}
+        # (config systems pass DDP's defaults along; only a value someone chose is worth a warning)
+        chosen = [key for key, value in ignored.items() if value not in (None, False, 25)]
+        if chosen:
+            rank_zero_warn(f"FullGraphStrategy does not wrap the model in DDP; ignoring {chosen}")
         super().__init__(
             timeout=timeout, start_method=start_method, process_group_backend=process_group_backend, **kwargs
         )

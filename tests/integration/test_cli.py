@@ -212,14 +212,16 @@ def test_example_configs_parse(config, capsys):
         main(["fit", "--config", str(config), "--print_config"])
     assert exit_info.value.code in (0, None)
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["trainer"]["devices"] == 2 and printed["trainer"]["accelerator"] == "cpu"
+    devices = printed["trainer"]["devices"]
+    # the big-graph configs ask for 4 devices and let Lightning pick the accelerator
+    assert devices in (2, 4) and printed["trainer"]["accelerator"] in ("cpu", "auto")
     assert printed["model"]["class_path"] == "lightning_fullgraph.models.GNNNodeClassifier"
 
     # Instantiate model, datamodule and trainer (strategy included) without running anything.
     cli = FullGraphCLI(args=["--config", str(config)], run=False)
     assert isinstance(cli.model, GNNNodeClassifier)
     assert isinstance(cli.trainer.strategy, FullGraphStrategy)
-    assert cli.trainer.world_size == 2
+    assert cli.trainer.world_size == devices
     if config.name == "strategy_class_path.yaml":
         assert cli.trainer.strategy._timeout == timedelta(minutes=1)
         assert cli.trainer.strategy._start_method == "popen"
