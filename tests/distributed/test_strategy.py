@@ -192,8 +192,9 @@ class _Diverges(NodeClassifier):
 
 def test_non_finite_values_stop_training_naming_rank_and_layer(tmp_path) -> None:
     start = time.monotonic()
+    # rank 1's inf also reaches rank 0's first layer through the halo: either may report it
     with pytest.raises(
-        Exception, match=r"rank 1: layer 'convs\.0' \(GCNConv\) produced non-finite|Connection closed by peer|another rank stopped"
+        Exception, match=r"rank [01]: layer 'convs\.0' \(GCNConv\) produced non-finite|Connection closed by peer|another rank stopped"
     ):
         cpu_trainer(2, max_epochs=3).fit(_Diverges(conv="gcn"), datamodule=FullGraphDataModule(directed_graph(), cache_dir=tmp_path))
     assert time.monotonic() - start < 60
