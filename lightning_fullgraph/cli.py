@@ -22,6 +22,7 @@ Examples::
     python -m lightning_fullgraph fit --config examples/configs/community_sage.yaml
     python -m lightning_fullgraph fit --trainer.strategy=fullgraph_exact --model.conv=gat
     lightning-fullgraph partition --data Cora --root ../shared/datasets/Planetoid --num-parts 4
+    lightning-fullgraph partition --data community --num-parts 4 --balance nodes --json
 """
 
 from __future__ import annotations
@@ -232,6 +233,15 @@ def _partition_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0, help="partitioner seed (default: 0)")
     parser.add_argument(
+        "--balance",
+        choices=("edges", "nodes"),
+        default="edges",
+        help=(
+            "what metis balances across the parts: 'edges' = the in-edges each part aggregates, which "
+            "dominate a rank's compute time, or 'nodes' = node counts (default: edges; random ignores it)"
+        ),
+    )
+    parser.add_argument(
         "--cache-dir",
         default=None,
         help="partition cache (default: $LIGHTNING_FULLGRAPH_CACHE or <tmp>/lightning_fullgraph/partitions)",
@@ -255,7 +265,8 @@ def part_statistics(folder: str | Path) -> list[dict[str, Any]]:
     :func:`~lightning_fullgraph.partition.partitioner.partition_stats`.
 
     Returns:
-        One dict per part: ``part``, ``owned``, ``halo``, ``local_edges``, ``cut_edges`` and
+        One dict per part: ``part``, ``owned`` (nodes it owns), ``halo``, ``local_edges``
+        (edges whose destination it owns: its aggregation work), ``cut_edges`` and
         ``cut_fraction`` (cut edges / local edges).
     """
     from lightning_fullgraph.partition.cache import load_part, read_manifest
@@ -278,6 +289,21 @@ def part_statistics(folder: str | Path) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def _imbalance(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """``node_imbalance`` and ``edge_imbalance`` (max / mean over the parts) of the rows."""
+    from lightning_fullgraph.partition.partitioner import imbalance
+
+    return {
+        "node_imbalance": imbalance([r["owned"] for r in rows]),
+        "edge_imbalance": imbalance([r["local_edges"] for r in rows]),
+    }
+
+
+def _imbalance_line(rows: list[dict[str, Any]]) -> str:
+    imb = _imbalance(rows)
+    return f"imbalance: nodes max/mean {imb['node_imbalance']:.3f}, edges max/mean {imb['edge_imbalance']:.3f}"
 
 
 def _format_table(rows: list[dict[str, Any]]) -> str:
@@ -334,7 +360,12 @@ def partition_main(argv: Sequence[str] | None = None) -> int:
     else:
         graph = load_graph(args.data, root=args.root, **(args.dataset_kwargs or {}))
         result = ensure_partitions(
-            graph, args.num_parts, method=args.method, seed=args.seed, cache_root=args.cache_dir
+            graph,
+            args.num_parts,
+            method=args.method,
+            seed=args.seed,
+            cache_root=args.cache_dir,
+            balance=args.balance,
         )
     manifest = read_manifest(result.folder)
     rows = part_statistics(result.folder)
@@ -347,8 +378,11 @@ def partition_main(argv: Sequence[str] | None = None) -> int:
             "reason": result.reason,
             "partition_seconds": result.seconds,
             "total_seconds": elapsed,
-            **{k: manifest.get(k) for k in ("method", "num_parts", "seed", "num_nodes", "num_edges")},
+            **{k: manifest.get(k) for k in ("method", "balance", "num_parts", "seed", "num_nodes", "num_edges")},
             **{k: manifest.get(k) for k in ("num_features", "num_classes")},
+            "nodes_per_part": [r["owned"] for r in rows],
+            "edges_per_part": [r["local_edges"] for r in rows],
+            **_imbalance(rows),
             "parts": rows,
         }
         print(json.dumps(summary, indent=1))
@@ -362,9 +396,11 @@ def partition_main(argv: Sequence[str] | None = None) -> int:
     print(
         f"graph: {manifest.get('num_nodes')} nodes, {manifest.get('num_edges')} edges, "
         f"{manifest.get('num_features')} features, {manifest.get('num_classes')} classes; "
-        f"method {manifest.get('method')}, {manifest.get('num_parts')} parts, seed {manifest.get('seed')}"
+        f"method {manifest.get('method')}, balance {manifest.get('balance', 'nodes (old manifest)')}, "
+        f"{manifest.get('num_parts')} parts, seed {manifest.get('seed')}"
     )
     print(_format_table(rows))
+    print(_imbalance_line(rows))
     print(f"train on it: {PROG} fit --data.data={folder} --trainer.devices={manifest.get('num_parts')}")
     return 0
 

@@ -26,7 +26,7 @@ from lightning_fullgraph.partition.cache import (
     load_part,
     read_manifest,
 )
-from lightning_fullgraph.partition.partitioner import PARTITION_METHODS
+from lightning_fullgraph.partition.partitioner import BALANCE_MODES, PARTITION_METHODS
 from lightning_fullgraph.partition.plan import LocalPartition
 from lightning_fullgraph.validation import validate_graph
 
@@ -97,6 +97,10 @@ class FullGraphDataModule(pl.LightningDataModule):
             size of the generated ``"community"`` graph).
         require_train: Refuse a graph without any node in ``train_mask`` (set False for
             graphs used only to validate, test or predict).
+        balance: What ``"metis"`` balances across the ranks: ``"edges"`` (default; the
+            in-edges each rank aggregates, which dominate its compute time) or ``"nodes"``
+            (node counts). Part of the partition cache key. Ignored by ``"random"`` and when
+            ``data`` is a partition folder (it was balanced when it was written).
 
     Attributes:
         local_partition: This rank's :class:`LocalPartition` after ``setup``.
@@ -114,15 +118,19 @@ class FullGraphDataModule(pl.LightningDataModule):
         seed: int = 0,
         dataset_kwargs: dict[str, Any] | None = None,
         require_train: bool = True,
+        balance: str = "edges",
     ) -> None:
         super().__init__()
         if partition not in PARTITION_METHODS:
             raise ValueError(f"partition={partition!r}; choose one of {PARTITION_METHODS}")
+        if balance not in BALANCE_MODES:
+            raise ValueError(f"balance={balance!r}; choose one of {BALANCE_MODES}")
         if num_parts is not None and (not isinstance(num_parts, int) or num_parts < 1):
             raise ValueError(f"num_parts must be a positive int or None, got {num_parts!r}")
         self.data = data
         self.num_parts = num_parts
         self.partition = partition
+        self.balance = balance
         self.cache_dir = cache_dir
         self.root = root
         self.seed = seed
@@ -182,7 +190,7 @@ class FullGraphDataModule(pl.LightningDataModule):
         # Before any partitioning or process-group work: bad input fails here, with the fix.
         validate_graph(graph, num_parts=parts, require_train=self.require_train)
         self.partition_result = ensure_partitions(
-            graph, parts, method=self.partition, seed=self.seed, cache_root=self.cache_dir
+            graph, parts, method=self.partition, seed=self.seed, cache_root=self.cache_dir, balance=self.balance
         )
         self._folder = self.partition_result.folder
 

@@ -81,8 +81,10 @@ class FullGraphStrategy(DDPStrategy):
         adaptive_tolerance: Relative loss improvement below which the loss counts as stalled.
         check_finite: Check every conv output and the loss for NaN/inf and stop with an error
             naming the rank and the layer (one reduction per layer; off saves it).
-        compute_only: Benchmark bound: skip every halo transfer (halo rows are zeros, so
-            results are WRONG); measures what training costs without communication.
+        compute_only: Benchmark bound: run this mode's own compute path (overlap split,
+            quantize/dequantize, pipeline bookkeeping) with every halo collective skipped
+            (received halo rows are zeros, so results are WRONG); measures what the mode costs
+            without communication, the limit its transfers can approach.
         link_costs: ``"measure"`` (adaptive adaqp: time sends on every link at setup) or
             ``"uniform"`` (the same nominal 1 GB/s, 100 us link everywhere: reproducible
             assignments, e.g. for tests).
@@ -95,6 +97,10 @@ class FullGraphStrategy(DDPStrategy):
             gradients travel while the central part's backward runs). Exact. Default: on in
             adaqp mode, off in exact mode. Applies to GCN, SAGE, GIN and GraphConv layers
             (GAT layers always run synchronously).
+        sparse_aggregation: Aggregate through cached CSR adjacencies of the local graph
+            (PyG's fused ``message_and_aggregate`` path, ``torch.sparse.mm``) for GCN, SAGE,
+            GIN and GraphConv layers; ``False`` keeps PyG's edge-list path (an ``[E_r, F]``
+            message tensor per layer). Exact either way; GAT and GINE always use edges.
         loss_weighting: How per-rank losses combine into the global gradient.
             ``"train_mask"`` (default): the module's loss is a mean over the rank's nodes in
             ``batch.<mask_key>``; ranks are weighted by their share of those nodes, giving the
@@ -128,6 +134,7 @@ class FullGraphStrategy(DDPStrategy):
         link_costs: Literal["measure", "uniform"] = "measure",
         compute_only: bool = False,
         check_finite: bool = True,
+        sparse_aggregation: bool = True,
         loss_weighting: Literal["train_mask", "mean", "sum"] = "train_mask",
         mask_key: str = "train_mask",
         timeout: timedelta | None = default_pg_timeout,
@@ -183,6 +190,7 @@ class FullGraphStrategy(DDPStrategy):
         self.link_cost_source = link_costs
         self.compute_only = compute_only
         self.check_finite = check_finite
+        self.sparse_aggregation = bool(sparse_aggregation)
         self._failed = False
         self._step_loss: Tensor | None = None
         self._last_loss: float | None = None
@@ -247,7 +255,9 @@ class FullGraphStrategy(DDPStrategy):
             from lightning_fullgraph.comm.staleness import StalenessState
 
             self._exchanger.staleness = StalenessState(self.staleness, self.smoothing, self.smooth)
-        self._ctx = HaloContext(self._exchanger, overlap=self.overlap, check_finite=self.check_finite)
+        self._ctx = HaloContext(
+            self._exchanger, overlap=self.overlap, check_finite=self.check_finite, sparse=self.sparse_aggregation
+        )
         if self.bits == "adaptive" and trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
             from lightning_fullgraph.comm.adaptive import measure_link_costs, receiver_weights
 

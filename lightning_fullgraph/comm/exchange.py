@@ -115,7 +115,8 @@ class HaloExchanger:
         self.row_range: dict[int, Tensor] = {}
         self.layer_dims: dict[int, int] = {}
         self._static_refs: list[weakref.ref] = []
-        # Benchmark bound: no transfer at all, halo rows are zeros (results are wrong).
+        # Benchmark bound: the collectives are skipped, every computation of the mode runs
+        # (gathers, codec, pipeline); received rows are zeros, so results are WRONG.
         self.skip_transfers = False
         # Sylvie's asynchronous pipeline (None: every exchange is synchronous).
         self.staleness: StalenessState | None = None
@@ -165,19 +166,20 @@ class HaloExchanger:
         gradients)."""
         from lightning_fullgraph.comm.codec import decode_rows, encode_rows, message_nbytes
 
-        if self.skip_transfers:
-            zeros = rows.new_zeros((sum(recv_counts),) + tuple(rows.shape[1:]))
-            return lambda: zeros
         if layer is not None and self.bits == 32:
             if forward:
                 self.layer_dims[layer] = rows.size(1)
                 self.stats.record_bits(layer, rows.numel(), rows.numel() * 32)
             layer, forward = None, False
+        # Benchmark bound: everything this call computes (gather, codec, bookkeeping) runs,
+        # only the collective is skipped, and the received rows are zeros.
+        transfer = self._distributed and not self.skip_transfers
         if layer is None:
-            out = rows.new_empty((sum(recv_counts),) + tuple(rows.shape[1:]))
+            shape = (sum(recv_counts),) + tuple(rows.shape[1:])
+            out = rows.new_zeros(shape) if self.skip_transfers else rows.new_empty(shape)
             send = rows.contiguous()
             work = None
-            if self._distributed:
+            if transfer:
                 work = dist.all_to_all_single(out, send, recv_counts, send_counts, group=self.group, async_op=True)
             row_bytes = rows.element_size() * math.prod(rows.shape[1:])
             self.stats.bytes_sent += row_bytes * sum(send_counts)
@@ -206,9 +208,10 @@ class HaloExchanger:
             self.row_range[layer] = enc.rng
             self.layer_dims[layer] = row_len
             self.stats.record_bits(layer, rows.numel(), int(send_bits.sum()) * row_len)
-        buf = torch.empty(sum(recv_nbytes), dtype=torch.uint8, device=rows.device)
+        alloc = torch.zeros if self.skip_transfers else torch.empty
+        buf = alloc(sum(recv_nbytes), dtype=torch.uint8, device=rows.device)
         work = None
-        if self._distributed:
+        if transfer:
             work = dist.all_to_all_single(buf, enc.buffer, recv_nbytes, enc.nbytes, group=self.group, async_op=True)
         self.stats.bytes_sent += sum(enc.nbytes)
         self.stats.bytes_recv += sum(recv_nbytes)

@@ -26,6 +26,17 @@ features and in-edge attributes is exact.  Three families:
   node, so each rank computes its owned degrees and receives the halo degrees through the
   same exchange (once, then cached).
 
+Aggregation.  GCN, SAGE, GIN and GraphConv layers do not aggregate over the edge list the
+user passes (an ``[E_r, F]`` message tensor per layer and direction): the adapter hands the
+conv's own ``forward`` a cached CSR matrix ``A^T_r`` (``[N_r, N_r + H_r]``, GCN's global
+normalisation or the edge weights as values, see :mod:`lightning_fullgraph.nn.sparse`), so PyG
+takes its fused ``message_and_aggregate`` path; sum and mean products run with a transpose
+built once for the backward.  Max/min aggregation uses ``torch.sparse.mm(..., reduce)`` (CPU
+only; on CUDA those layers keep the edge list), GAT/GATv2/GINE always keep the edge list, as do
+weights that need a gradient.  With overlap on, the central and marginal rows are two cached
+blocks of the same kind.  ``HaloContext(sparse=False)`` (``FullGraphStrategy(
+sparse_aggregation=False)``) keeps PyG's edge path everywhere.
+
 Convs of any other ``MessagePassing`` type raise :class:`UnsupportedConvError` at setup,
 naming the type; :func:`register_conv_adapter` adds one.
 """
@@ -33,7 +44,6 @@ naming the type; :func:`register_conv_adapter` adds one.
 from __future__ import annotations
 
 import types
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +62,15 @@ from torch_geometric.nn.conv import (
 from torch_geometric.utils import add_remaining_self_loops, scatter
 
 from lightning_fullgraph.comm.exchange import HaloExchanger
+from lightning_fullgraph.nn.sparse import (
+    DerivedCache,
+    SplitBlocks,
+    csr_adjacency,
+    csr_transpose,
+    mean_operator,
+    split_blocks,
+    spmm,
+)
 
 __all__ = [
     "HaloContext",
@@ -70,53 +89,25 @@ class UnsupportedConvError(TypeError):
 
 
 class HaloContext:
-    """State shared by the patched convs of one module: the exchanger and small caches.
+    """State shared by the patched convs of one module: the exchanger and derived-graph caches.
 
     Args:
         exchanger: Moves halo rows for this rank.
+        overlap: Aggregate central rows while the halo exchange is in flight.
+        check_finite: Raise on a non-finite conv output, naming the layer.
+        sparse: Aggregate through cached CSR adjacencies (PyG's fused ``message_and_aggregate``
+            path) wherever the conv supports it; ``False`` keeps PyG's edge-list path
+            (gather ``[E_r, F]`` messages, scatter) everywhere.
     """
 
-    def __init__(self, exchanger: HaloExchanger, overlap: bool = False, check_finite: bool = False) -> None:
+    def __init__(
+        self, exchanger: HaloExchanger, overlap: bool = False, check_finite: bool = False, sparse: bool = True
+    ) -> None:
         self.exchanger = exchanger
         self.overlap = overlap
         self.check_finite = check_finite
-        self._norm_cache: dict[tuple, tuple[weakref.ref, Any, tuple[Tensor, Tensor]]] = {}
-        self._split_cache: tuple[weakref.ref, int, int, Any] | None = None
-
-    def split(self, edge_index: Tensor, weight: Tensor | None = None) -> _Split | None:
-        """Central/marginal split of the local edges, or ``None`` when overlap cannot help.
-
-        Central nodes: owned nodes without a halo in-neighbour; their edges (sources all
-        owned) are aggregated while the exchange is in flight.  Marginal nodes: the rest.
-        Destinations are renumbered within each set.
-        """
-        cached = self._split_cache
-        if (
-            cached is not None
-            and cached[0]() is edge_index
-            and cached[1] == edge_index._version
-            and cached[2] == (id(weight) if weight is not None else 0)
-        ):
-            return cached[3]
-        n = self.num_owned
-        src, dst = edge_index[0], edge_index[1]
-        marginal = torch.zeros(n, dtype=torch.bool, device=edge_index.device)
-        marginal[dst[src >= n]] = True
-        central_idx = (~marginal).nonzero().flatten()
-        marginal_idx = marginal.nonzero().flatten()
-        result = None
-        if central_idx.numel() and marginal_idx.numel():
-            pos = torch.empty(n, dtype=torch.long, device=edge_index.device)
-            pos[central_idx] = torch.arange(central_idx.numel(), device=edge_index.device)
-            pos[marginal_idx] = torch.arange(marginal_idx.numel(), device=edge_index.device)
-            to_m = marginal[dst]
-            ei_c = torch.stack([src[~to_m], pos[dst[~to_m]]])
-            ei_m = torch.stack([src[to_m], pos[dst[to_m]]])
-            w_c = weight[~to_m] if weight is not None else None
-            w_m = weight[to_m] if weight is not None else None
-            result = _Split(central_idx, marginal_idx, ei_c, ei_m, w_c, w_m)
-        self._split_cache = (weakref.ref(edge_index), edge_index._version, id(weight) if weight is not None else 0, result)
-        return result
+        self.sparse = sparse
+        self.cache = DerivedCache()
 
     @property
     def num_owned(self) -> int:
@@ -139,15 +130,60 @@ class HaloContext:
                 f"{type(conv).__name__} expects the {self.num_owned} rows this rank owns "
                 f"(the batch's node features or a layer output computed from them), got {got}"
             )
-        if not isinstance(edge_index, Tensor):
+        if not isinstance(edge_index, Tensor) or edge_index.is_sparse or edge_index.layout != torch.strided:
             raise ValueError(
                 f"{type(conv).__name__}: only `edge_index` tensors are supported under "
-                f"FullGraphStrategy (got {type(edge_index).__name__}); pass `batch.edge_index`"
+                f"FullGraphStrategy (got {type(edge_index).__name__}); pass `batch.edge_index` "
+                f"(the strategy builds and caches the sparse adjacency itself)"
             )
 
     def exchange(self, x: Tensor) -> Tensor:
         """``[N_r, F] -> [N_r + H_r, F]``: owned rows followed by the halo rows."""
         return self.exchanger.exchange(x)
+
+    def use_sparse(self, conv: MessagePassing, x: Tensor, weight: Tensor | None) -> bool:
+        """Whether ``conv`` can aggregate through a CSR adjacency here, exactly.
+
+        Needs the conv's fused ``message_and_aggregate`` (``conv.fuse``: PyG sets it for
+        ``sum/add/mean/min/max`` aggregation), the default flow, weights that need no gradient
+        (CSR values are detached) and, on CUDA, a reduction ``torch.sparse.mm`` implements there.
+        """
+        if not self.sparse or not getattr(conv, "fuse", False) or getattr(conv, "explain", False):
+            return False
+        if conv.flow != "source_to_target" or (weight is not None and weight.requires_grad):
+            return False
+        aggr = getattr(conv, "aggr", None)
+        return not (x.device.type != "cpu" and aggr in ("min", "max"))
+
+    def adjacency(self, edge_index: Tensor, weight: Tensor | None, dtype: torch.dtype) -> Tensor:
+        """Cached ``[N_r, N_r + H_r]`` CSR ``A^T`` of the local edges (see :mod:`.sparse`)."""
+        return self.cache.get(
+            (edge_index, weight),
+            ("csr", dtype),
+            lambda: csr_adjacency(edge_index, weight, self.num_owned, self.num_full, dtype),
+        )
+
+    def aggregate(self, adj: Tensor, x: Tensor, reduce: str) -> Tensor | None:
+        """``reduce``-aggregation of ``x`` over a CSR built by this context, with cached
+        transposes for the backward; ``None`` for reductions it leaves to PyG (max, min)."""
+        if reduce in ("add", "sum"):
+            op = adj
+        elif reduce == "mean":
+            op = self.cache.get((adj,), "mean", lambda: mean_operator(adj))
+        else:
+            return None
+        return spmm(op, self.cache.get((op,), "transpose", lambda: csr_transpose(op)), x)
+
+    def split(
+        self, edge_index: Tensor, weight: Tensor | None = None, sparse: bool = False, dtype: torch.dtype = torch.float32
+    ) -> SplitBlocks | None:
+        """Cached central/marginal blocks of the local edges (:func:`.sparse.split_blocks`),
+        or ``None`` when overlap cannot help."""
+        return self.cache.get(
+            (edge_index, weight),
+            ("split", sparse, dtype if sparse else None),
+            lambda: split_blocks(edge_index, weight, self.num_owned, self.num_full, sparse, dtype),
+        )
 
     def gcn_norm(
         self, edge_index: Tensor, edge_weight: Tensor | None, improved: bool, add_self_loops: bool, dtype: torch.dtype
@@ -157,69 +193,71 @@ class HaloContext:
         Returns:
             ``edge_index [2, E'_r]`` (self-loops added for owned nodes) and ``weight [E'_r]``.
         """
-        cacheable = edge_weight is None or not edge_weight.requires_grad
-        key = (
-            id(edge_index),
-            edge_index._version,
-            None if edge_weight is None else (id(edge_weight), edge_weight._version),
-            improved,
-            add_self_loops,
-            dtype,
+        if edge_weight is not None and edge_weight.requires_grad:
+            return self._gcn_norm(edge_index, edge_weight, improved, add_self_loops, dtype)
+        return self.cache.get(
+            (edge_index, edge_weight),
+            ("gcn_norm", improved, add_self_loops, dtype),
+            lambda: self._gcn_norm(edge_index, edge_weight, improved, add_self_loops, dtype),
         )
-        hit = self._norm_cache.get(key)
-        if cacheable and hit is not None and hit[0]() is edge_index:
-            if edge_weight is None or (hit[1] is not None and hit[1]() is edge_weight):
-                return hit[2]
-        original_edge_index, original_weight = edge_index, edge_weight
+
+    def _gcn_norm(
+        self, edge_index: Tensor, edge_weight: Tensor | None, improved: bool, add_self_loops: bool, dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor]:
         n = self.num_owned
+        # As PyG's gcn_norm: without edge weights the added self-loops weigh 1 even when
+        # improved=True (its fill value only applies to weighted graphs).
+        fill = 2.0 if improved and edge_weight is not None else 1.0
         if edge_weight is None:
             edge_weight = torch.ones(edge_index.size(1), dtype=dtype, device=edge_index.device)
         if add_self_loops:
-            edge_index, edge_weight = add_remaining_self_loops(
-                edge_index, edge_weight, 2.0 if improved else 1.0, num_nodes=n
-            )
+            edge_index, edge_weight = add_remaining_self_loops(edge_index, edge_weight, fill, num_nodes=n)
         row, col = edge_index[0], edge_index[1]
         deg = scatter(edge_weight, col, dim=0, dim_size=n, reduce="sum")
         # Halo degrees are only known to their owners: they travel like any other row.
         deg_full = self.exchanger.exchange(deg.unsqueeze(-1), exact=True).squeeze(-1)
         deg_inv_sqrt = deg_full.pow(-0.5)
         deg_inv_sqrt = deg_inv_sqrt.masked_fill(deg_inv_sqrt == float("inf"), 0.0)
-        result = (edge_index, deg_inv_sqrt[row] * edge_weight * deg_inv_sqrt[col])
-        if cacheable:
-            self._norm_cache = {k: v for k, v in self._norm_cache.items() if v[0]() is not None}
-            w_ref = None if original_weight is None else weakref.ref(original_weight)
-            self._norm_cache[key] = (weakref.ref(original_edge_index), w_ref, result)
-        return result
+        return edge_index, deg_inv_sqrt[row] * edge_weight * deg_inv_sqrt[col]
 
 
 # -- adapters ---------------------------------------------------------------------------
 
-
-class _Split:
-    __slots__ = ("central", "marginal", "ei_c", "ei_m", "w_c", "w_m")
-
-    def __init__(self, central, marginal, ei_c, ei_m, w_c, w_m) -> None:
-        self.central, self.marginal, self.ei_c, self.ei_m, self.w_c, self.w_m = central, marginal, ei_c, ei_m, w_c, w_m
-
-
-def _merge(n: int, split: _Split, out_c: Tensor, out_m: Tensor) -> Tensor:
-    out = out_c.new_zeros((n,) + tuple(out_c.shape[1:]))
-    return out.index_copy(0, split.central, out_c).index_copy(0, split.marginal, out_m)
+# Convs whose fused path is exact on a CSR adjacency, and what its values hold: "ones"
+# (the conv ignores edge weights: SAGE, GIN) or "edge_weight" (GraphConv's optional weights).
+# Exact types only: a subclass may override `message`, which the fused path would bypass.
+_SPARSE_VALUES: dict[type, str] = {SAGEConv: "ones", GINConv: "ones", GraphConv: "edge_weight"}
 
 
 def _bipartite(conv, forward, ctx: HaloContext, x: Tensor, edge_index, args: tuple, kwargs: dict):
     if kwargs.get("size") is not None:
         raise ValueError(f"{type(conv).__name__}: do not pass `size=` under FullGraphStrategy; it is set for you")
+    kwargs.pop("size", None)
+    values = _SPARSE_VALUES.get(type(conv))
+    weight = None
+    if values == "edge_weight":
+        weight = args[0] if args else kwargs.get("edge_weight")
+        rest_args, rest_kwargs = args[1:], {k: v for k, v in kwargs.items() if k != "edge_weight"}
+    else:
+        rest_args, rest_kwargs = args, kwargs
+    if values is not None and not rest_args and not rest_kwargs and ctx.use_sparse(conv, x, weight):
+        # The conv's own fused path (message_and_aggregate -> torch.sparse.mm) on cached CSR blocks.
+        if not ctx.overlap or (split := ctx.split(edge_index, weight, sparse=True, dtype=x.dtype)) is None:
+            return forward((ctx.exchange(x), x), ctx.adjacency(edge_index, weight, x.dtype))
+        pending = ctx.exchanger.exchange_async(x)
+        out_c = forward((x, x[split.central]), split.central_block)
+        x_full = torch.cat([x, pending.wait()], dim=0)
+        out_m = forward((x_full, x[split.marginal]), split.marginal_block)
+        return split.merge(out_c, out_m)
     split = ctx.split(edge_index) if ctx.overlap and not args and not kwargs else None
     if split is None:
-        kwargs["size"] = (ctx.num_full, ctx.num_owned)
-        return forward((ctx.exchange(x), x), edge_index, *args, **kwargs)
+        return forward((ctx.exchange(x), x), edge_index, *args, size=(ctx.num_full, ctx.num_owned), **kwargs)
     # Central rows need no halo: aggregate them while the exchange is in flight.
     pending = ctx.exchanger.exchange_async(x)
-    out_c = forward((x, x[split.central]), split.ei_c, size=(ctx.num_owned, split.central.numel()))
+    out_c = forward((x, x[split.central]), split.central_block, size=(ctx.num_owned, split.central.numel()))
     x_full = torch.cat([x, pending.wait()], dim=0)
-    out_m = forward((x_full, x[split.marginal]), split.ei_m, size=(ctx.num_full, split.marginal.numel()))
-    return _merge(ctx.num_owned, split, out_c, out_m)
+    out_m = forward((x_full, x[split.marginal]), split.marginal_block, size=(ctx.num_full, split.marginal.numel()))
+    return split.merge(out_c, out_m)
 
 
 def _slice_output(out: Any, n: int) -> Any:
@@ -238,28 +276,40 @@ def _full_then_slice(conv, forward, ctx: HaloContext, x: Tensor, edge_index, arg
 
 def _gcn(conv: GCNConv, forward, ctx: HaloContext, x: Tensor, edge_index, args: tuple, kwargs: dict):
     edge_weight = args[0] if args else kwargs.pop("edge_weight", None)
-    if not conv.normalize:
-        return _slice_output(forward(ctx.exchange(x), edge_index, edge_weight), ctx.num_owned)
     if conv.flow != "source_to_target":
         raise UnsupportedConvError("GCNConv with flow='target_to_source' is not supported by FullGraphStrategy")
-    edge_index, weight = ctx.gcn_norm(edge_index, edge_weight, conv.improved, conv.add_self_loops, x.dtype)
-    split = ctx.split(edge_index, weight) if ctx.overlap else None
+    if conv.normalize:
+        edge_index, weight = ctx.gcn_norm(edge_index, edge_weight, conv.improved, conv.add_self_loops, x.dtype)
+    else:
+        weight = edge_weight
+    sparse = ctx.use_sparse(conv, x, weight)
+    split = ctx.split(edge_index, weight, sparse=sparse, dtype=x.dtype) if ctx.overlap else None
     if split is not None:
         # out = A_hat (X W) + b, computed as central rows (owned sources only) while the halo
         # is in flight, then marginal rows; lin is applied once per row.
         pending = ctx.exchanger.exchange_async(x)
         h = conv.lin(x)
-        out_c = conv.propagate(split.ei_c, x=h, edge_weight=split.w_c, size=(ctx.num_owned, split.central.numel()))
+        if sparse:
+            out_c = conv.propagate(split.central_block, x=h, edge_weight=None)
+        else:
+            size_c = (ctx.num_owned, split.central.numel())
+            out_c = conv.propagate(split.central_block, x=h, edge_weight=split.central_weight, size=size_c)
         h_full = torch.cat([h, conv.lin(pending.wait())], dim=0)
-        out_m = conv.propagate(split.ei_m, x=h_full, edge_weight=split.w_m, size=(ctx.num_full, split.marginal.numel()))
-        out = _merge(ctx.num_owned, split, out_c, out_m)
+        if sparse:
+            out_m = conv.propagate(split.marginal_block, x=h_full, edge_weight=None)
+        else:
+            size_m = (ctx.num_full, split.marginal.numel())
+            out_m = conv.propagate(split.marginal_block, x=h_full, edge_weight=split.marginal_weight, size=size_m)
+        out = split.merge(out_c, out_m)
         return out + conv.bias if conv.bias is not None else out
     # The conv's own code does lin/propagate/bias; only its normalisation is replaced.
-    conv.normalize = False
+    normalize, conv.normalize = conv.normalize, False
     try:
+        if sparse:
+            return forward(ctx.exchange(x), ctx.adjacency(edge_index, weight, x.dtype))
         out = forward(ctx.exchange(x), edge_index, weight)
     finally:
-        conv.normalize = True
+        conv.normalize = normalize
     return out[: ctx.num_owned]
 
 
@@ -349,6 +399,9 @@ def install_adapters(module: nn.Module, ctx: HaloContext) -> list[MessagePassing
         forward = _make_forward(conv, original, adapter, names.get(id(conv), "?"), ctx)
         object.__setattr__(conv, _PATCH_ATTR, original)
         object.__setattr__(conv, "forward", forward)
+        if type(conv) in _SPARSE_VALUES or type(conv) is GCNConv:
+            own = types.MethodType(type(conv).message_and_aggregate, conv)
+            object.__setattr__(conv, "message_and_aggregate", _make_message_and_aggregate(conv, own, ctx))
     return convs
 
 
@@ -366,6 +419,19 @@ def _make_forward(
     return forward
 
 
+def _make_message_and_aggregate(conv: MessagePassing, own: Callable[..., Any], ctx: HaloContext) -> Callable[..., Any]:
+    # These convs' own fused step is `spmm(adj_t, x_src, reduce=conv.aggr)`; on the adapters'
+    # cached CSR blocks the same product runs with a transpose built once for the backward.
+    def message_and_aggregate(adj_t: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(adj_t, Tensor) and adj_t.layout == torch.sparse_csr:
+            out = ctx.aggregate(adj_t, x[0] if isinstance(x, tuple) else x, conv.aggr)
+            if out is not None:
+                return out
+        return own(adj_t, x, *args, **kwargs)
+
+    return message_and_aggregate
+
+
 def _check_finite(out: Any, name: str, conv: nn.Module, ctx: HaloContext) -> None:
     value = out[0] if isinstance(out, tuple) else out
     if isinstance(value, Tensor) and not bool(torch.isfinite(value).all()):
@@ -381,4 +447,5 @@ def uninstall_adapters(convs: list[MessagePassing]) -> None:
     """Restores the convs' own ``forward``."""
     for conv in convs:
         conv.__dict__.pop("forward", None)
+        conv.__dict__.pop("message_and_aggregate", None)
         conv.__dict__.pop(_PATCH_ATTR, None)

@@ -7,10 +7,16 @@ from lightning_fullgraph.partition.cache import (
     graph_fingerprint,
     load_part,
 )
-from lightning_fullgraph.partition.partitioner import PARTITION_METHODS, partition_graph, partition_stats
+from lightning_fullgraph.partition.partitioner import (
+    BALANCE_MODES,
+    PARTITION_METHODS,
+    partition_graph,
+    partition_stats,
+)
 from lightning_fullgraph.partition.plan import HaloPlan, LocalPartition, build_local_partitions
 
 __all__ = [
+    "BALANCE_MODES",
     "PARTITION_METHODS",
     "HaloPlan",
     "LocalPartition",

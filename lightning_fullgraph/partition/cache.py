@@ -2,8 +2,9 @@
 
 Layout of a partition folder::
 
-    <cache_root>/<method>-p<num_parts>-s<seed>-<fingerprint[:16]>/
-        manifest.json       format version, graph fingerprint, method, part count, seed,
+    <cache_root>/<method>-<balance>-p<num_parts>-s<seed>-<fingerprint[:16]>/
+        manifest.json       format version, graph fingerprint, method, balance, part count,
+                            seed, per-part node/edge counts and their imbalance (max/mean),
                             and per part: file name, byte size, sha256, node/halo/edge counts
         part-00000.pt       LocalPartition.state() of rank 0 (torch.save, tensors only)
         part-00001.pt       ...
@@ -13,6 +14,12 @@ are added.  Every load re-checks the manifest against what the caller expects (g
 fingerprint, method, part count, seed, format version) and the part file against its
 recorded size and checksum, so a stale or truncated cache is rebuilt or refused with the
 reason, never used silently.
+
+``balance`` (``"edges"`` or ``"nodes"``, see
+:func:`~lightning_fullgraph.partition.partitioner.partition_graph`) is part of what
+identifies a partition: a node-balanced partition is never reused for an edge-balanced
+request, and a manifest written before ``balance`` existed (no ``balance`` key) is treated
+as stale and rebuilt.
 """
 
 from __future__ import annotations
@@ -119,8 +126,9 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def partition_folder_name(fingerprint: str, method: str, num_parts: int, seed: int) -> str:
-    return f"{method}-p{num_parts}-s{seed}-{fingerprint[:16]}"
+def partition_folder_name(fingerprint: str, method: str, num_parts: int, seed: int, balance: str = "edges") -> str:
+    """Folder of a partition under the cache root, e.g. ``metis-edges-p4-s0-0123456789abcdef``."""
+    return f"{method}-{balance}-p{num_parts}-s{seed}-{fingerprint[:16]}"
 
 
 def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
@@ -145,7 +153,9 @@ def check_manifest(folder: str | os.PathLike, expected: dict[str, Any], verify_f
     Args:
         folder: Partition folder.
         expected: Keys of the manifest that must match, e.g. ``fingerprint``, ``method``,
-            ``num_parts``, ``seed``.  ``format_version`` is always checked.
+            ``balance``, ``num_parts``, ``seed``.  ``format_version`` is always checked; a
+            key missing from the manifest (e.g. ``balance`` in one written by an older
+            version) does not match.
         verify_files: Also check that every part file exists with its recorded byte size.
     """
     folder = Path(folder)
@@ -246,6 +256,7 @@ def ensure_partitions(
     seed: int = 0,
     cache_root: str | os.PathLike | None = None,
     fingerprint: str | None = None,
+    balance: str = "edges",
 ) -> PartitionResult:
     """Returns a partition folder for ``data``, computing and saving it only if no valid one
     exists under ``cache_root``.
@@ -254,32 +265,55 @@ def ensure_partitions(
         data: The global graph.
         num_parts: Number of parts (= ranks that will train on it).
         method: ``"metis"`` or ``"random"``.
-        seed: Partitioner seed; partitions are deterministic for (graph, method, parts, seed).
+        seed: Partitioner seed; partitions are deterministic for (graph, method, balance,
+            parts, seed).
         cache_root: Folder holding partition folders; default :func:`default_cache_root`.
         fingerprint: Precomputed :func:`graph_fingerprint` of ``data`` (computed if None).
+        balance: ``"edges"`` (default: balance the in-edges each part aggregates) or
+            ``"nodes"`` (balance node counts); part of the cache key (``"random"`` ignores
+            it but the key still records what was asked for).
     """
-    from lightning_fullgraph.partition.partitioner import partition_graph
+    from lightning_fullgraph.partition.partitioner import check_balance, imbalance, partition_graph
 
+    check_balance(balance)
     cache_root = Path(cache_root) if cache_root is not None else default_cache_root()
     fingerprint = fingerprint or graph_fingerprint(data)
-    folder = cache_root / partition_folder_name(fingerprint, method, num_parts, seed)
-    expected = {"fingerprint": fingerprint, "method": method, "num_parts": num_parts, "seed": seed}
+    folder = cache_root / partition_folder_name(fingerprint, method, num_parts, seed, balance)
+    expected = {
+        "fingerprint": fingerprint,
+        "method": method,
+        "balance": balance,
+        "num_parts": num_parts,
+        "seed": seed,
+    }
     reason = check_manifest(folder, expected)
     if reason is None:
         log.info("partition cache hit: %s", folder)
         return PartitionResult(folder=folder, rebuilt=False, reason="cache hit")
-    log.info("partitioning %d nodes into %d parts with %s (%s)", data.num_nodes, num_parts, method, reason)
+    log.info(
+        "partitioning %d nodes into %d parts with %s, balance=%s (%s)",
+        data.num_nodes, num_parts, method, balance, reason,
+    )
     start = time.perf_counter()
-    parts = partition_graph(data.edge_index, int(data.num_nodes), num_parts, method=method, seed=seed)
+    parts = partition_graph(
+        data.edge_index, int(data.num_nodes), num_parts, method=method, seed=seed, balance=balance
+    )
     partitions = build_local_partitions(data, parts, num_parts)
+    nodes_per_part = [int(p.plan.num_owned) for p in partitions]
+    edges_per_part = [int(p.data.edge_index.size(1)) for p in partitions]
     meta = {
         "fingerprint": fingerprint,
         "method": method,
+        "balance": balance,
         "num_parts": num_parts,
         "seed": seed,
         "num_nodes": int(data.num_nodes),
         "num_edges": int(data.edge_index.size(1)),
         "total_halo": int(sum(p.plan.num_halo for p in partitions)),
+        "nodes_per_part": nodes_per_part,
+        "edges_per_part": edges_per_part,
+        "node_imbalance": imbalance(nodes_per_part),
+        "edge_imbalance": imbalance(edges_per_part),
         **graph_summary(data),
     }
     write_partitions(folder, partitions, meta)

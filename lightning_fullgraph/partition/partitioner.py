@@ -11,25 +11,45 @@ graph. :func:`partition_graph` computes that ownership map once, before training
     volume** (``METIS_OBJTYPE_VOL``), which is exactly what a halo exchange pays for:
     each remote node a part needs is sent once. The objective requires the k-way
     algorithm (METIS' recursive bisection only supports the edge-cut objective), so the
-    k-way algorithm is always used. Vertex weights (``node_weights``) are balanced
-    within METIS' default tolerance (3 % imbalance).
+    k-way algorithm is always used. METIS balances the total vertex weight of the parts
+    within its default tolerance (3 % imbalance, ``ufactor`` 30); what a vertex weighs
+    is chosen by ``balance`` (or given explicitly with ``node_weights``):
+
+    * ``balance="edges"`` (default): a node weighs ``1 + in_degree``, its in-degree
+      counted in the *directed* input ``edge_index`` as given (duplicates and self-loops
+      included). A rank's compute is dominated by its aggregation work, i.e. the number of
+      edges whose destination it owns (``partition_stats()["edges_per_part"]``), plus one
+      row of dense work per owned node; in the exact mode every layer waits for the
+      slowest rank, so it is the *edges* that must be balanced. On graphs with a
+      heavy-tailed in-degree, node-balanced parts are badly edge-imbalanced (a part that
+      holds the hubs does most of the work). The node counts are then only roughly
+      balanced.
+    * ``balance="nodes"``: every node weighs 1 (node counts balanced; the behaviour of
+      earlier versions). Cheaper memory balance, but edge-imbalanced on skewed graphs.
+
+    Multi-constraint partitioning (balancing nodes *and* edges at once, METIS ``ncon=2``)
+    is not used: the installed ``pymetis`` (2025.2) always passes ``ncon=1`` to METIS and
+    reads only the first ``N`` vertex weights. A node whose in-degree alone exceeds the
+    mean load of a part cannot be balanced by any partition; such a part's edge count is
+    bounded below by that node's in-degree.
 
     Isolated nodes (degree 0 after symmetrisation) have no effect on communication,
     so they are not given to METIS; they are spread deterministically over the parts
-    afterwards so that the parts are balanced. Finally, METIS can return empty parts
+    afterwards so that the weights are levelled (with ``balance="edges"`` an isolated node
+    weighs 1, plus its self-loops if it has any). Finally, METIS can return empty parts
     on tiny or degenerate graphs; every empty part is then given the highest-id node
     of the currently largest part, so every rank owns at least one node.
 
 ``"random"``
     Balanced random assignment: a seeded permutation ``perm`` of the nodes, node
     ``perm[i]`` goes to part ``i % num_parts``. Part sizes differ by at most one. It
-    ignores the graph structure and is meant as a baseline.
+    ignores the graph structure (and ``balance``) and is meant as a baseline.
 
-Both methods are deterministic for a given graph, ``num_parts`` and ``seed``.
+Both methods are deterministic for a given graph, ``num_parts``, ``seed`` and ``balance``.
 
 :func:`partition_stats` reports the quality of a partition: node and edge counts per
-part, the edge cut, and the halo size of every part (how many remote nodes it must
-receive in each exchange).
+part and their imbalance (max / mean), the edge cut, and the halo size of every part (how
+many remote nodes it must receive in each exchange).
 
 Conventions: ``edge_index`` has shape ``[2, E]``, ``edge_index[0]`` are the source nodes
 and ``edge_index[1]`` the destination nodes; messages flow source -> destination, so
@@ -42,10 +62,21 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["PARTITION_METHODS", "partition_graph", "partition_stats"]
+__all__ = [
+    "BALANCE_MODES",
+    "PARTITION_METHODS",
+    "balance_weights",
+    "check_balance",
+    "imbalance",
+    "partition_graph",
+    "partition_stats",
+]
 
 PARTITION_METHODS: tuple[str, ...] = ("metis", "random")
 """Names accepted by the ``method`` argument of :func:`partition_graph`."""
+
+BALANCE_MODES: tuple[str, ...] = ("edges", "nodes")
+"""Names accepted by the ``balance`` argument of :func:`partition_graph` (first = default)."""
 
 _MAX_SEED = 2**31 - 1
 
@@ -87,6 +118,16 @@ def _check_edge_index(edge_index: Tensor, num_nodes: int) -> Tensor:
     return edge_index
 
 
+def check_balance(balance: object) -> str:
+    """Return ``balance`` if it is one of :data:`BALANCE_MODES`, else raise ``ValueError``."""
+    if not isinstance(balance, str) or balance not in BALANCE_MODES:
+        raise ValueError(
+            f"Unknown balance {balance!r}; choose one of: {', '.join(BALANCE_MODES)} "
+            "('edges' balances the in-edges a part aggregates, 'nodes' its node count)."
+        )
+    return balance
+
+
 def _check_node_weights(node_weights: Tensor, num_nodes: int) -> Tensor:
     if not isinstance(node_weights, Tensor):
         raise TypeError(f"node_weights must be a torch.Tensor, got {type(node_weights).__name__}.")
@@ -110,6 +151,28 @@ def _check_node_weights(node_weights: Tensor, num_nodes: int) -> Tensor:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def balance_weights(edge_index: Tensor, num_nodes: int, balance: str = "edges") -> Tensor:
+    """METIS vertex weights used for ``balance``: ``1 + in_degree`` or all ones.
+
+    The in-degree is counted in ``edge_index`` as given (directed, duplicates and
+    self-loops included), so that the total weight of a part is exactly
+    ``nodes_per_part + edges_per_part`` of :func:`partition_stats`.
+
+    Args:
+        edge_index: Edges ``[source, destination]``, int64 CPU. Shape ``[2, E]``.
+        num_nodes: Number of nodes ``N``.
+        balance: One of :data:`BALANCE_MODES`.
+
+    Returns:
+        int64 weights. Shape ``[N]``.
+    """
+    ones = torch.ones(num_nodes, dtype=torch.int64)
+    if check_balance(balance) == "nodes":
+        return ones
+    return ones + torch.bincount(edge_index[1], minlength=num_nodes)
+
 
 
 def _symmetric_simple_edges(edge_index: Tensor, num_nodes: int) -> tuple[Tensor, Tensor]:
@@ -186,6 +249,7 @@ def _metis_partition(
     num_parts: int,
     seed: int,
     node_weights: Tensor | None,
+    balance: str,
 ) -> Tensor:
     try:
         import pymetis
@@ -198,7 +262,9 @@ def _metis_partition(
     degree = torch.bincount(row, minlength=num_nodes)
     active = degree > 0
     num_active = int(active.sum())
-    weights = torch.ones(num_nodes, dtype=torch.int64) if node_weights is None else node_weights
+    # Explicit node_weights win over balance.
+    explicit = node_weights is not None
+    weights = node_weights if node_weights is not None else balance_weights(edge_index, num_nodes, balance)
 
     parts = torch.zeros(num_nodes, dtype=torch.int64)
     if num_active > 0:
@@ -211,7 +277,9 @@ def _metis_partition(
         idx_dtype = pymetis.zero_copy_dtype()
         sub_weights = weights[active]
         vweights = None
-        if node_weights is not None and int(sub_weights.sum()) > 0:
+        # Unit weights are METIS' default: pass none (same partition as before for "nodes").
+        uniform = not explicit and balance == "nodes"
+        if not uniform and int(sub_weights.sum()) > 0:
             vweights = sub_weights.numpy().astype(idx_dtype)
         options = pymetis.Options(seed=seed, objtype=int(pymetis.ObjType.VOL))
         result = pymetis.part_graph(
@@ -227,8 +295,8 @@ def _metis_partition(
     if isolated.numel() > 0:
         # METIS would place isolated nodes arbitrarily; spread them to balance the parts.
         # First level the (METIS-balanced) weights with the positive-weight isolated nodes,
-        # then the node counts with the zero-weight ones (without node_weights every node has
-        # weight 1, so this just levels the node counts).
+        # then the node counts with the zero-weight ones (with balance="nodes" and no
+        # node_weights every node has weight 1, so this just levels the node counts).
         active_parts = parts[active]
         iso_weights = weights[isolated]
         positive = iso_weights > 0
@@ -258,6 +326,7 @@ def partition_graph(
     method: str = "metis",
     seed: int = 0,
     node_weights: Tensor | None = None,
+    balance: str = "edges",
 ) -> Tensor:
     """Assign every node of a graph to one of ``num_parts`` parts (ranks).
 
@@ -271,12 +340,20 @@ def partition_graph(
             volume with METIS) or ``"random"`` (balanced random assignment).
         seed: Random seed in ``[0, 2**31 - 1]``, passed to METIS or to the permutation
             generator. The result is deterministic for a given graph, ``num_parts``,
-            ``method`` and ``seed``.
+            ``method``, ``seed`` and ``balance``.
         node_weights: Optional METIS vertex weights, integers ``>= 0``. METIS balances the
             total weight of the parts instead of their node counts, e.g. pass
             ``train_mask.long() * 10 + 1`` to balance the training nodes (and still roughly
-            the node counts). Isolated nodes are spread to level the weights first and then,
-            using the zero-weight ones, the node counts. Ignored by ``"random"``. Shape ``[N]``.
+            the node counts). Explicit weights win: ``balance`` is then only validated,
+            not used (to combine both, add :func:`balance_weights` to your weights).
+            Isolated nodes are spread to level the weights first and then, using the
+            zero-weight ones, the node counts. Ignored by ``"random"``. Shape ``[N]``.
+        balance: What ``"metis"`` balances across the parts when ``node_weights`` is not
+            given, one of :data:`BALANCE_MODES`: ``"edges"`` (default; vertex weight
+            ``1 + in_degree``, so every part aggregates about as many in-edges, which is
+            what a rank's compute time is dominated by) or ``"nodes"`` (unit weights,
+            equal node counts; the only mode before this option existed). Ignored by
+            ``"random"``.
 
     Returns:
         ``parts``: int64 CPU tensor, ``parts[v]`` in ``[0, num_parts)`` is the part that owns
@@ -285,7 +362,7 @@ def partition_graph(
     Raises:
         ValueError: On an empty graph, ``num_parts`` out of ``[1, num_nodes]``, a malformed
             ``edge_index`` (dtype, shape or ids out of range), invalid ``node_weights``,
-            a seed out of range or an unknown ``method``.
+            a seed out of range, an unknown ``method`` or an unknown ``balance``.
     """
     num_nodes = _check_int("num_nodes", num_nodes)
     num_parts = _check_int("num_parts", num_parts)
@@ -305,6 +382,7 @@ def partition_graph(
         )
     if not 0 <= seed <= _MAX_SEED:
         raise ValueError(f"seed must be in [0, {_MAX_SEED}], got {seed}.")
+    check_balance(balance)
     edge_index = _check_edge_index(edge_index, num_nodes)
     if node_weights is not None:
         node_weights = _check_node_weights(node_weights, num_nodes)
@@ -313,7 +391,16 @@ def partition_graph(
         return torch.zeros(num_nodes, dtype=torch.int64)
     if method == "random":
         return _random_partition(num_nodes, num_parts, seed)
-    return _metis_partition(edge_index, num_nodes, num_parts, seed, node_weights)
+    return _metis_partition(edge_index, num_nodes, num_parts, seed, node_weights, balance)
+
+
+def imbalance(loads: Tensor | list[int]) -> float:
+    """``max(loads) / mean(loads)``: 1.0 is perfectly balanced, ``P`` is everything in one
+    part. 1.0 for empty or all-zero loads (nothing to balance)."""
+    loads = torch.as_tensor(loads, dtype=torch.float64)
+    if loads.numel() == 0 or float(loads.sum()) <= 0:
+        return 1.0
+    return float(loads.max()) / float(loads.mean())
 
 
 def partition_stats(edge_index: Tensor, parts: Tensor, num_parts: int) -> dict[str, Tensor | int | float]:
@@ -339,6 +426,11 @@ def partition_stats(edge_index: Tensor, parts: Tensor, num_parts: int) -> dict[s
         - ``"edge_cut_fraction"``: float, ``edge_cut / E`` (0.0 when there are no edges).
         - ``"halo_sizes"``: int64 tensor, number of distinct remote source nodes of the edges
           whose destination each part owns. Shape ``[P]``.
+        - ``"node_imbalance"``: float, ``max(nodes_per_part) / mean(nodes_per_part)``
+          (1.0 = perfectly balanced).
+        - ``"edge_imbalance"``: float, ``max(edges_per_part) / mean(edges_per_part)``; the
+          slowest rank's aggregation work relative to the average (1.0 when there are no
+          edges).
     """
     num_parts = _check_int("num_parts", num_parts)
     if num_parts < 1:
@@ -359,9 +451,13 @@ def partition_stats(edge_index: Tensor, parts: Tensor, num_parts: int) -> dict[s
     edge_cut = int(cut.sum())
     num_edges = src.numel()
     halo_keys = torch.unique(dst_part[cut] * num_nodes + src[cut])
+    nodes_per_part = torch.bincount(parts, minlength=num_parts)
+    edges_per_part = torch.bincount(dst_part, minlength=num_parts)
     return {
-        "nodes_per_part": torch.bincount(parts, minlength=num_parts),
-        "edges_per_part": torch.bincount(dst_part, minlength=num_parts),
+        "nodes_per_part": nodes_per_part,
+        "edges_per_part": edges_per_part,
+        "node_imbalance": imbalance(nodes_per_part),
+        "edge_imbalance": imbalance(edges_per_part),
         "edge_cut": edge_cut,
         "edge_cut_fraction": edge_cut / num_edges if num_edges > 0 else 0.0,
         "halo_sizes": torch.bincount(halo_keys // max(num_nodes, 1), minlength=num_parts),

@@ -166,6 +166,49 @@ def test_partition_subcommand_then_fit(tmp_path, capsys):
 
 
 @pytest.mark.timeout(60)
+def test_partition_balance_flag_and_imbalance(tmp_path, capsys):
+    """`--balance` reaches the cache key and the output; table and JSON report per-part nodes and
+    edges and the max/mean imbalance of both.
+
+    Negative control: without the flag passed through, `--balance nodes` would be a cache hit on
+    the default (edges) folder and report `"balance": "edges"`; without the summary line / JSON
+    fields the regex and key lookups below fail."""
+    import re
+
+    cache = tmp_path / "cache"
+    base = ["partition", "--data", "community", "--num-parts", "2", "--cache-dir", str(cache)]
+    base += ["--dataset-kwargs", json.dumps({"num_nodes": 400, "num_val": 100, "num_test": 100})]
+
+    summaries = {}
+    for balance in ("nodes", "edges"):
+        assert main([*base, "--balance", balance, "--json"]) == 0
+        summary = json.loads(capsys.readouterr().out)
+        assert summary["balance"] == balance and summary["cache_hit"] is False
+        parts = summary["parts"]
+        nodes = [p["owned"] for p in parts]
+        edges = [p["local_edges"] for p in parts]
+        assert summary["nodes_per_part"] == nodes and summary["edges_per_part"] == edges
+        assert sum(nodes) == summary["num_nodes"] and sum(edges) == summary["num_edges"]
+        assert summary["node_imbalance"] == pytest.approx(max(nodes) / (sum(nodes) / 2))
+        assert summary["edge_imbalance"] == pytest.approx(max(edges) / (sum(edges) / 2))
+        assert summary["edge_imbalance"] <= 1.1
+        summaries[balance] = summary
+    assert summaries["nodes"]["folder"] != summaries["edges"]["folder"]
+
+    assert main(base) == 0  # default balance = edges: a cache hit on the second folder
+    out = capsys.readouterr().out
+    assert "status: cache hit" in out and "balance edges" in out
+    match = re.search(r"^imbalance: nodes max/mean (\d+\.\d+), edges max/mean (\d+\.\d+)$", out, re.M)
+    assert match, out
+    assert float(match.group(1)) == pytest.approx(summaries["edges"]["node_imbalance"], abs=1e-3)
+    assert float(match.group(2)) == pytest.approx(summaries["edges"]["edge_imbalance"], abs=1e-3)
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([*base, "--balance", "degree"])
+    assert exit_info.value.code == 2 and "edges" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
 def test_optimizer_flag_with_lazily_built_model(tmp_path, capsys):
     """`--optimizer` works although GNNNodeClassifier creates its layers in configure_model."""
     main(
@@ -247,7 +290,8 @@ def test_help_lists_subcommands(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["partition", "--help"])
     assert exit_info.value.code == 0
-    assert "--num-parts" in capsys.readouterr().out
+    partition_help = capsys.readouterr().out
+    assert "--num-parts" in partition_help and "--balance {edges,nodes}" in partition_help
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--help"])
     assert exit_info.value.code == 0

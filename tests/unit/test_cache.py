@@ -50,14 +50,80 @@ def test_changed_graph_is_detected(tmp_path) -> None:
     assert reason is not None and "fingerprint" in reason
 
 
-@pytest.mark.parametrize("field", ["method", "num_parts", "seed"])
+@pytest.mark.parametrize("field", ["method", "num_parts", "seed", "balance"])
 def test_other_settings_get_their_own_partitions(tmp_path, field) -> None:
     data = directed_graph()
-    base = dict(num_parts=2, method="metis", seed=0)
+    base = dict(num_parts=2, method="metis", seed=0, balance="edges")
     first = ensure_partitions(data, cache_root=tmp_path, **base)
-    other = dict(base, **{field: {"method": "random", "num_parts": 3, "seed": 1}[field]})
+    other = dict(base, **{field: {"method": "random", "num_parts": 3, "seed": 1, "balance": "nodes"}[field]})
     second = ensure_partitions(data, cache_root=tmp_path, **other)
     assert second.rebuilt and second.folder != first.folder
+
+
+def _hub_data(num_nodes: int = 400, num_hubs: int = 4, hub_in: int = 200):
+    """A directed graph with a heavy-tailed in-degree: ``num_hubs`` nodes get ``hub_in`` extra
+    in-edges each."""
+    data = directed_graph(num_nodes=num_nodes, num_edges=5 * num_nodes, num_isolated=0)
+    g = torch.Generator().manual_seed(1)
+    hub_src = torch.randint(0, num_nodes, (num_hubs * hub_in,), generator=g)
+    hub_dst = torch.arange(num_hubs).repeat_interleave(hub_in) * (num_nodes // num_hubs)
+    data.edge_index = torch.cat([data.edge_index, torch.stack([hub_src, hub_dst])], dim=1)
+    return data
+
+
+def test_edge_balanced_request_after_node_balanced_one_rebuilds(tmp_path, monkeypatch) -> None:
+    """balance is part of the cache key: nodes, then edges rebuilds (another folder), and both
+    are cache hits afterwards; each manifest records its balance and per-part counts.
+
+    Negative control: without balance in the folder name / expected keys, the edge-balanced
+    request would be a cache hit on the node-balanced partition (edge imbalance 1.89 > 1.1)."""
+    from lightning_fullgraph.partition.partitioner import partition_graph, partition_stats
+
+    data = _hub_data()
+    nodes = ensure_partitions(data, 4, cache_root=tmp_path, balance="nodes")
+    edges = ensure_partitions(data, 4, cache_root=tmp_path)  # default: edges
+    assert nodes.rebuilt and edges.rebuilt and edges.folder != nodes.folder
+    assert "edges" in edges.folder.name and "nodes" in nodes.folder.name
+    calls = []
+    import lightning_fullgraph.partition.partitioner as partitioner
+
+    monkeypatch.setattr(partitioner, "partition_graph", lambda *a, **k: calls.append(1) or partition_graph(*a, **k))
+    for balance, first in (("nodes", nodes), ("edges", edges)):
+        again = ensure_partitions(data, 4, cache_root=tmp_path, balance=balance)
+        assert not again.rebuilt and again.folder == first.folder
+    assert calls == []
+
+    for balance, result in (("nodes", nodes), ("edges", edges)):
+        manifest = read_manifest(result.folder)
+        assert manifest["balance"] == balance
+        parts = partition_graph(data.edge_index, data.num_nodes, 4, balance=balance)
+        stats = partition_stats(data.edge_index, parts, 4)
+        assert manifest["nodes_per_part"] == stats["nodes_per_part"].tolist()
+        assert manifest["edges_per_part"] == stats["edges_per_part"].tolist()
+        assert manifest["nodes_per_part"] == [e["num_owned"] for e in manifest["parts"]]
+        assert manifest["node_imbalance"] == pytest.approx(stats["node_imbalance"])
+        assert manifest["edge_imbalance"] == pytest.approx(stats["edge_imbalance"])
+    assert read_manifest(edges.folder)["edge_imbalance"] <= 1.1
+    assert read_manifest(nodes.folder)["edge_imbalance"] > 1.3
+
+
+def test_manifest_without_balance_is_stale(tmp_path) -> None:
+    """A manifest written before `balance` existed is rebuilt (with the reason), not used or
+    crashed on.  Negative control: without "balance" in the expected keys it is a cache hit."""
+    data = directed_graph()
+    result = ensure_partitions(data, 2, cache_root=tmp_path)
+    manifest = read_manifest(result.folder)
+    del manifest["balance"]
+    (result.folder / "manifest.json").write_text(json.dumps(manifest))
+    again = ensure_partitions(data, 2, cache_root=tmp_path)
+    assert again.rebuilt and again.folder == result.folder and "balance" in again.reason
+    assert read_manifest(again.folder)["balance"] == "edges"
+
+
+def test_unknown_balance_is_refused(tmp_path) -> None:
+    with pytest.raises(ValueError, match="edges, nodes"):
+        ensure_partitions(directed_graph(), 2, cache_root=tmp_path, balance="degree")
+    assert not any(tmp_path.iterdir())
 
 
 def test_truncated_part_file_is_rebuilt_or_refused(tmp_path) -> None:
@@ -131,9 +197,24 @@ def test_datamodule_accepts_a_partition_folder(tmp_path) -> None:
         dm.global_graph()
 
 
+def test_datamodule_passes_balance_through(tmp_path) -> None:
+    """FullGraphDataModule(balance=...) reaches the partitioner and the cache key; default edges.
+    Negative control: if it were dropped, both manifests would say "edges" (the default)."""
+    data = directed_graph()
+    dm = FullGraphDataModule(data, cache_dir=tmp_path, balance="nodes")
+    dm.setup("fit")
+    assert dm.manifest["balance"] == "nodes"
+    default = FullGraphDataModule(data, cache_dir=tmp_path)
+    default.setup("fit")
+    assert default.balance == "edges" and default.manifest["balance"] == "edges"
+    assert default.partition_result is not None and default.partition_result.rebuilt
+
+
 def test_datamodule_arguments_are_validated() -> None:
     with pytest.raises(ValueError, match="partition"):
         FullGraphDataModule(directed_graph(), partition="kmeans")
+    with pytest.raises(ValueError, match=r"balance='degree'.*'edges', 'nodes'"):
+        FullGraphDataModule(directed_graph(), balance="degree")
     with pytest.raises(ValueError, match="num_parts"):
         FullGraphDataModule(directed_graph(), num_parts=0)
 

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from lightning_fullgraph.partition.partitioner import (
+    BALANCE_MODES,
     PARTITION_METHODS,
+    balance_weights,
+    imbalance,
     partition_graph,
     partition_stats,
 )
@@ -40,6 +43,20 @@ def clustered_graph(
     return torch.cat(blocks, dim=1)
 
 
+def hub_graph(
+    num_nodes: int = 1000, avg_degree: int = 5, num_hubs: int = 4, hub_in: int = 500, seed: int = 0
+) -> torch.Tensor:
+    """Directed random graph plus ``num_hubs`` hub nodes (ids ``k * num_nodes // num_hubs``)
+    that each receive ``hub_in`` extra in-edges: a heavy-tailed in-degree (max ~500 vs mean 7)."""
+    g = torch.Generator().manual_seed(seed)
+    m = num_nodes * avg_degree
+    src = torch.randint(0, num_nodes, (m,), generator=g)
+    dst = torch.randint(0, num_nodes, (m,), generator=g)
+    hub_src = torch.randint(0, num_nodes, (num_hubs * hub_in,), generator=g)
+    hub_dst = torch.arange(num_hubs).repeat_interleave(hub_in) * (num_nodes // num_hubs)
+    return torch.stack([torch.cat([src, hub_src]), torch.cat([dst, hub_dst])])
+
+
 def check_valid(parts: torch.Tensor, num_nodes: int, num_parts: int) -> torch.Tensor:
     assert parts.shape == (num_nodes,)
     assert parts.dtype == torch.int64
@@ -59,16 +76,18 @@ def test_shape_dtype_range_nonempty(method: str, num_parts: int) -> None:
     ei = random_graph(n, 1500)
     parts = partition_graph(ei, n, num_parts, method=method)
     counts = check_valid(parts, n, num_parts)
-    # Both methods balance node counts (METIS within its ~3% tolerance).
+    # Both methods balance node counts here (METIS' default edge balance too: the degrees of
+    # this random graph are near-uniform, so balanced edges mean balanced nodes).
     assert int(counts.max()) <= 1.1 * n / num_parts + 1
 
 
+@pytest.mark.parametrize("balance", BALANCE_MODES)
 @pytest.mark.parametrize("method", METHODS)
-def test_deterministic_same_seed(method: str) -> None:
+def test_deterministic_same_seed(method: str, balance: str) -> None:
     n = 400
     ei = random_graph(n, 2000, seed=1)
-    a = partition_graph(ei, n, 4, method=method, seed=7)
-    b = partition_graph(ei, n, 4, method=method, seed=7)
+    a = partition_graph(ei, n, 4, method=method, seed=7, balance=balance)
+    b = partition_graph(ei, n, 4, method=method, seed=7, balance=balance)
     assert torch.equal(a, b)
 
 
@@ -121,10 +140,30 @@ def test_many_isolated_nodes(method: str, num_parts: int) -> None:
     connected = perm[:700]
     local = random_graph(700, 3500, seed=2)
     ei = connected[local]
-    parts = partition_graph(ei, n, num_parts, method=method)
+    parts = partition_graph(ei, n, num_parts, method=method, balance="nodes")
     counts = check_valid(parts, n, num_parts)
     assert int(counts.max()) <= 1.1 * n / num_parts + 1
     assert int(counts.min()) >= 0.9 * n / num_parts - 1
+
+
+@pytest.mark.parametrize("num_parts", [2, 4, 7])
+def test_edge_balance_isolated_nodes_level_the_weighted_load(num_parts: int) -> None:
+    """With balance="edges" an isolated node weighs 1 and the isolated nodes are water-filled
+    so that the per-part load nodes + in-edges (the METIS vertex weight) comes out level.
+
+    Negative control: levelling the isolated nodes by node count (as for balance="nodes")
+    leaves a load imbalance of 1.026 at 4 parts and 1.048 at 7 (> 1.005); round-robin 1.028.
+    """
+    ei = hub_graph()  # nodes 0..999; nodes 1000..1399 are isolated
+    n = 1400
+    parts = partition_graph(ei, n, num_parts)
+    check_valid(parts, n, num_parts)
+    stats = partition_stats(ei, parts, num_parts)
+    load = stats["nodes_per_part"] + stats["edges_per_part"]
+    assert imbalance(load) <= 1.005, load.tolist()
+    assert stats["edge_imbalance"] <= 1.1, stats["edges_per_part"].tolist()
+    iso_per_part = torch.bincount(parts[1000:], minlength=num_parts)
+    assert int(iso_per_part.sum()) == 400 and int(iso_per_part.min()) > 0
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -204,6 +243,81 @@ def test_metis_node_weights_balance_weighted_load() -> None:
     train_per_part = torch.bincount(parts[train], minlength=4)
     assert int(train_per_part.min()) > 0
     assert torch.equal(parts, partition_graph(ei, n, 4, node_weights=weights))
+
+
+# --------------------------------------------------------------------------- edge balance
+
+
+def test_balance_weights_count_directed_in_edges() -> None:
+    """Weights are 1 + in-degree in the directed edge_index as given (duplicates, self-loops).
+
+    Negative control: counting out-degrees would give [4, 1, 3, 1] and symmetrised simple
+    degrees [3, 2, 3, 2] instead of [1, 3, 3, 2]."""
+    ei = torch.tensor([[0, 0, 0, 2, 2], [1, 1, 2, 2, 3]])  # duplicate 0->1, self-loop 2->2
+    assert balance_weights(ei, 4).tolist() == [1, 3, 3, 2]
+    assert balance_weights(ei, 4, "nodes").tolist() == [1, 1, 1, 1]
+    assert int(balance_weights(ei, 4).sum()) == 4 + ei.size(1)
+
+
+@pytest.mark.parametrize("num_parts", [2, 4])
+def test_edge_balance_is_the_default_and_balances_in_edges(num_parts: int) -> None:
+    """Default (balance="edges"): max/mean in-edges per part <= 1.1 on a hub graph.
+
+    Negative control: balance="nodes" on the same graph gives edge imbalance 1.28 at 2 parts
+    and 1.90 at 4 parts (asserted below as well)."""
+    ei = hub_graph()
+    n = 1000
+    default = partition_graph(ei, n, num_parts)
+    assert torch.equal(default, partition_graph(ei, n, num_parts, balance="edges"))
+    check_valid(default, n, num_parts)
+    edges = partition_stats(ei, default, num_parts)
+    nodes = partition_stats(ei, partition_graph(ei, n, num_parts, balance="nodes"), num_parts)
+    assert edges["edge_imbalance"] <= 1.1, edges["edges_per_part"].tolist()
+    assert nodes["edge_imbalance"] > 1.25, nodes["edges_per_part"].tolist()
+    # Node counts stay roughly balanced and the communication volume is not badly worse
+    # (measured: halo 872 vs 884 at 2 parts, 2026 vs 1902 at 4 parts).
+    assert edges["node_imbalance"] <= 1.25
+    assert int(edges["halo_sizes"].sum()) <= 1.25 * int(nodes["halo_sizes"].sum())
+
+
+@pytest.mark.parametrize("num_parts", [2, 4])
+def test_node_balance_balances_node_counts(num_parts: int) -> None:
+    """balance="nodes" keeps the old behaviour: node counts within METIS' 3 % tolerance.
+
+    Negative control: if "nodes" used the edge weights, the hub graph's edge imbalance would
+    be <= 1.03 instead of > 1.25, and its node imbalance up to 1.05."""
+    ei = hub_graph()
+    n = 1000
+    parts = partition_graph(ei, n, num_parts, balance="nodes")
+    stats = partition_stats(ei, parts, num_parts)
+    assert stats["node_imbalance"] <= 1.031
+    assert stats["edge_imbalance"] > 1.25
+
+
+def test_explicit_node_weights_win_over_balance() -> None:
+    """node_weights given: balance is not used (same partition for "edges" and "nodes").
+
+    Negative control: if balance were applied on top of explicit unit weights, the result
+    would be edge-balanced (edge imbalance 1.03) instead of node-balanced (1.90)."""
+    ei = hub_graph()
+    n = 1000
+    ones = torch.ones(n, dtype=torch.int64)
+    a = partition_graph(ei, n, 4, node_weights=ones, balance="edges")
+    b = partition_graph(ei, n, 4, node_weights=ones, balance="nodes")
+    assert torch.equal(a, b)
+    assert partition_stats(ei, a, 4)["edge_imbalance"] > 1.25
+
+
+def test_random_ignores_balance() -> None:
+    ei = hub_graph()
+    a = partition_graph(ei, 1000, 4, method="random", balance="edges")
+    assert torch.equal(a, partition_graph(ei, 1000, 4, method="random", balance="nodes"))
+
+
+def test_error_unknown_balance() -> None:
+    for method in METHODS:  # validated even where it is ignored
+        with pytest.raises(ValueError, match="Unknown balance 'degree'.*edges, nodes"):
+            partition_graph(random_graph(10, 20), 10, 2, method=method, balance="degree")
 
 
 def test_metis_zero_weight_isolated_nodes_spread() -> None:
@@ -291,6 +405,8 @@ def test_partition_stats_hand_built() -> None:
     stats = partition_stats(ei, parts, 3)
     assert stats["nodes_per_part"].tolist() == [3, 2, 1]
     assert stats["edges_per_part"].tolist() == [4, 5, 1]
+    assert stats["node_imbalance"] == pytest.approx(3 / 2)  # max 3, mean 2
+    assert stats["edge_imbalance"] == pytest.approx(5 / (10 / 3))  # max 5, mean 10/3
     assert stats["edge_cut"] == 7
     assert stats["edge_cut_fraction"] == pytest.approx(0.7)
     # Part 0 receives from {3, 4}; part 1 from {2, 5}; part 2 from {0}.
@@ -304,6 +420,8 @@ def test_partition_stats_single_part_and_no_edges() -> None:
     assert stats["halo_sizes"].tolist() == [0]
     stats = partition_stats(torch.empty(2, 0, dtype=torch.int64), torch.tensor([0, 1, 1]), 3)
     assert stats["nodes_per_part"].tolist() == [1, 2, 0]
+    assert stats["node_imbalance"] == pytest.approx(2.0)
+    assert stats["edge_imbalance"] == 1.0  # no edges: nothing to balance
     assert stats["edge_cut"] == 0 and stats["edge_cut_fraction"] == 0.0
     assert stats["halo_sizes"].tolist() == [0, 0, 0]
 

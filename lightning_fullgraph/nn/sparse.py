@@ -1,0 +1,232 @@
+r"""Sparse adjacency blocks of a rank's local graph, built once and cached.
+
+A rank's local graph is bipartite: sources are ``[owned | halo]`` (``N_r + H_r`` ids),
+destinations are owned (``N_r`` ids).  Aggregating through its edges
+(``x_j`` gathered per edge into an ``[E_r, F]`` message tensor, then scattered) costs
+``O(E_r F)`` memory traffic *twice* and allocates a fresh ``[E_r, F]`` tensor per layer and
+direction.  PyG's fused path instead multiplies by the transposed adjacency
+
+.. math::
+    \mathbf{A}^{\top}_r \in \mathbb{R}^{N_r \times (N_r + H_r)}, \qquad
+    (\mathbf{A}^{\top}_r)_{ij} = \sum_{e:\, j \to i} w_e, \qquad
+    \mathbf{X}'_r = \mathbf{A}^{\top}_r \mathbf{X}^{full}_r
+
+(``torch.sparse.mm`` on a CSR matrix, with ``reduce="mean" | "max" | ...`` where the conv
+aggregates that way), which reads each source row once per entry and writes each output row
+once.  Duplicate edges stay separate entries, so ``sum`` adds them, ``mean`` counts them and
+``max`` compares them exactly as a scatter over the edge list would.
+
+Building a CSR matrix sorts the edges, so it is done once per ``(edge_index, weights)`` pair
+and cached (:class:`DerivedCache`); the same holds for the central/marginal blocks of the
+overlap schedule (:func:`split_blocks`).
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+
+__all__ = ["DerivedCache", "SplitBlocks", "csr_adjacency", "csr_transpose", "mean_operator", "spmm", "split_blocks"]
+
+T = TypeVar("T")
+
+
+def csr_adjacency(edge_index: Tensor, values: Tensor | None, num_dst: int, num_src: int, dtype: torch.dtype) -> Tensor:
+    r"""The transposed adjacency ``A^T`` of a (bipartite) edge list as a sorted CSR matrix.
+
+    Args:
+        edge_index: ``[2, E]`` edges ``source -> destination`` (sources in ``[0, num_src)``,
+            destinations in ``[0, num_dst)``).
+        values: ``[E]`` edge weights, or ``None`` for ones.
+        num_dst: Rows of the result (destinations).
+        num_src: Columns of the result (sources).
+        dtype: Value dtype (the features' dtype: ``torch.sparse.mm`` does not promote).
+
+    Returns:
+        ``torch.sparse_csr`` tensor of shape ``[num_dst, num_src]``; entries of one row are
+        sorted by source id; duplicate edges are kept as separate entries.
+    """
+    src, dst = edge_index[0], edge_index[1]
+    # A stable sort by (destination, source) keeps duplicate edges in input order.
+    perm = torch.argsort(dst * max(num_src, 1) + src, stable=True)
+    crow = torch._convert_indices_from_coo_to_csr(dst[perm], num_dst)
+    if values is None:
+        vals = torch.ones(src.numel(), dtype=dtype, device=src.device)
+    else:
+        vals = values.detach()[perm].to(dtype)
+    with warnings.catch_warnings():
+        # torch says once per process that CSR support is "beta"; it is what PyG uses.
+        warnings.filterwarnings("ignore", message=".*Sparse CSR tensor support is in beta.*")
+        return torch.sparse_csr_tensor(crow, src[perm], vals, (num_dst, num_src), check_invariants=False)
+
+
+def csr_transpose(adj: Tensor) -> Tensor:
+    """``A`` as a CSR matrix of its transpose, ``[S, D] `` from ``[D, S]`` (sorted)."""
+    d, n = adj.shape
+    crow, col, val = adj.crow_indices(), adj.col_indices(), adj.values()
+    row = torch._convert_indices_from_csr_to_coo(crow, col)[0]
+    return csr_adjacency(torch.stack([row, col]), val, n, d, val.dtype)
+
+
+def mean_operator(adj: Tensor) -> Tensor:
+    """``D^{-1} A``: the CSR matrix whose product is the row mean of ``A``'s entries
+    (``reduce="mean"``: each row's values divided by its entry count; empty rows stay 0)."""
+    crow = adj.crow_indices()
+    count = (crow[1:] - crow[:-1]).clamp(min=1).to(adj.dtype)
+    per_entry = torch.repeat_interleave(count, crow[1:] - crow[:-1], output_size=adj.values().numel())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Sparse CSR tensor support is in beta.*")
+        return torch.sparse_csr_tensor(
+            crow, adj.col_indices(), adj.values() / per_entry, adj.shape, check_invariants=False
+        )
+
+
+class _SpMM(torch.autograd.Function):
+    """``A X`` with ``dX = A^T dOut`` from a transpose built once, not per backward
+    (torch's own backward of ``torch.sparse.mm`` re-sorts ``A^T`` on every call)."""
+
+    @staticmethod
+    def forward(ctx: Any, adj: Tensor, adj_t: Tensor, x: Tensor) -> Tensor:
+        ctx.adj_t = adj_t
+        return torch.sparse.mm(adj, x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, Tensor]:
+        return None, None, torch.sparse.mm(ctx.adj_t, grad.contiguous())
+
+
+def spmm(adj: Tensor, adj_t: Tensor, x: Tensor) -> Tensor:
+    """``[D, S] x [S, F] -> [D, F]``, differentiable in ``x`` (not in ``adj``'s values).
+
+    Args:
+        adj: CSR ``A`` (its values are constants).
+        adj_t: CSR ``A^T`` (:func:`csr_transpose`), used by the backward.
+        x: Dense ``[S, F]``.
+    """
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return torch.sparse.mm(adj, x)
+    return _SpMM.apply(adj, adj_t, x)
+
+
+class SplitBlocks:
+    """The central/marginal split of a rank's destinations (see :func:`split_blocks`).
+
+    Attributes:
+        central: ``[C]`` owned ids with no halo in-neighbour (ascending).
+        marginal: ``[M]`` owned ids with at least one halo in-neighbour (ascending).
+        central_block: ``[C, N_r]`` CSR (sparse path) or ``[2, E_c]`` edges with destinations
+            renumbered to ``[0, C)`` (edge path).
+        marginal_block: ``[M, N_r + H_r]`` CSR, or ``[2, E_m]`` edges renumbered to ``[0, M)``.
+        central_weight / marginal_weight: the edges' weights on the edge path, else ``None``.
+    """
+
+    __slots__ = ("central", "marginal", "central_block", "marginal_block", "central_weight", "marginal_weight")
+
+    def __init__(
+        self,
+        central: Tensor,
+        marginal: Tensor,
+        central_block: Tensor,
+        marginal_block: Tensor,
+        central_weight: Tensor | None = None,
+        marginal_weight: Tensor | None = None,
+    ) -> None:
+        self.central, self.marginal = central, marginal
+        self.central_block, self.marginal_block = central_block, marginal_block
+        self.central_weight, self.marginal_weight = central_weight, marginal_weight
+
+    def merge(self, out_central: Tensor, out_marginal: Tensor) -> Tensor:
+        """``[C, *], [M, *] -> [N_r, *]``: the two halves back in owned-node order."""
+        n = self.central.numel() + self.marginal.numel()
+        out = out_central.new_empty((n,) + tuple(out_central.shape[1:]))
+        # central and marginal partition [0, N_r): every row is written exactly once.
+        return out.index_copy(0, self.central, out_central).index_copy(0, self.marginal, out_marginal)
+
+
+def split_blocks(
+    edge_index: Tensor,
+    weight: Tensor | None,
+    num_owned: int,
+    num_full: int,
+    sparse: bool,
+    dtype: torch.dtype = torch.float32,
+) -> SplitBlocks | None:
+    """Splits the local edges by destination into central and marginal blocks.
+
+    Central destinations have no halo in-neighbour: all their sources are owned, so they can
+    be aggregated while the halo exchange is in flight.  Marginal destinations are the rest.
+
+    Args:
+        edge_index: ``[2, E_r]`` local edges (sources ``[0, N_r + H_r)``, destinations owned).
+        weight: ``[E_r]`` edge weights or ``None``.
+        num_owned: ``N_r``.
+        num_full: ``N_r + H_r``.
+        sparse: Build CSR blocks (weights folded into the values) instead of edge lists.
+        dtype: Value dtype of the CSR blocks.
+
+    Returns:
+        The blocks, or ``None`` when either set is empty (overlap cannot help).
+    """
+    src, dst = edge_index[0], edge_index[1]
+    device = edge_index.device
+    marginal = torch.zeros(num_owned, dtype=torch.bool, device=device)
+    marginal[dst[src >= num_owned]] = True
+    central_idx = (~marginal).nonzero().flatten()
+    marginal_idx = marginal.nonzero().flatten()
+    if central_idx.numel() == 0 or marginal_idx.numel() == 0:
+        return None
+    pos = torch.empty(num_owned, dtype=torch.long, device=device)
+    pos[central_idx] = torch.arange(central_idx.numel(), device=device)
+    pos[marginal_idx] = torch.arange(marginal_idx.numel(), device=device)
+    to_m = marginal[dst]
+    ei_c = torch.stack([src[~to_m], pos[dst[~to_m]]])
+    ei_m = torch.stack([src[to_m], pos[dst[to_m]]])
+    w_c = weight[~to_m] if weight is not None else None
+    w_m = weight[to_m] if weight is not None else None
+    if not sparse:
+        return SplitBlocks(central_idx, marginal_idx, ei_c, ei_m, w_c, w_m)
+    return SplitBlocks(
+        central_idx,
+        marginal_idx,
+        csr_adjacency(ei_c, w_c, central_idx.numel(), num_owned, dtype),
+        csr_adjacency(ei_m, w_m, marginal_idx.numel(), num_full, dtype),
+    )
+
+
+class DerivedCache:
+    """Values derived from tensors (CSR matrices, normalised weights, splits), rebuilt when a
+    source tensor is replaced or modified in place.
+
+    Keys are object identity plus the version counter of every source tensor, checked
+    against weak references: a later tensor that reuses a dead one's ``id`` never hits, and
+    entries die with their sources.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[Hashable, tuple[tuple[Any, ...], Any]] = {}
+
+    def get(self, sources: tuple[Tensor | None, ...], tag: Hashable, build: Callable[[], T]) -> T:
+        """``build()``'s value for ``(sources, tag)``, computed on the first call only."""
+        key = (tag, tuple(None if t is None else (id(t), t._version) for t in sources))
+        hit = self._entries.get(key)
+        if hit is not None and all(
+            (ref is None and t is None) or (ref is not None and ref() is t) for ref, t in zip(hit[0], sources)
+        ):
+            return hit[1]
+        value = build()
+        self._entries = {
+            k: v for k, v in self._entries.items() if all(ref is None or ref() is not None for ref in v[0])
+        }
+        self._entries[key] = (tuple(None if t is None else weakref.ref(t) for t in sources), value)
+        return value
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
