@@ -97,3 +97,32 @@ def test_a_failing_rank_fails_the_run_quickly() -> None:
     with pytest.raises(mp.ProcessRaisedException, match="rank 1 broke on purpose|Connection closed by peer"):
         run_ranks(_fails_on_rank_one, 2)
     assert time.monotonic() - start < 40
+
+
+def _bound_runs_the_codec(rank: int, world_size: int) -> None:
+    # Two exchangers over the same plan, same seed: one transfers, one is the benchmark bound.
+    data, local, real = _setup(rank, world_size)
+    plan = local[rank].plan
+    bound = HaloExchanger(plan, group=real.group)
+    bound.skip_transfers = True
+    x = data.x[local[rank].data.n_id].clone()
+    for ex in (real, bound):
+        ex.bits, ex.compress = 4, True
+        ex.generator = torch.Generator().manual_seed(rank)
+        halo = ex.fetch(x, layer=0)
+    # the bound received nothing: zeros, in the shape the transfer would have filled
+    assert halo.shape == (plan.num_halo, x.size(1)) and not halo.any()
+    # ... but drew exactly the stochastic-rounding numbers the real exchange drew, i.e. it
+    # encoded the same rows (and decoded a buffer of the same size)
+    assert torch.equal(real.generator.get_state(), bound.generator.get_state())
+    assert bound.stats.bytes_sent == real.stats.bytes_sent > 0
+
+
+@pytest.mark.timeout(60)
+def test_compute_only_bound_runs_the_modes_codec() -> None:
+    """``skip_transfers`` (``FullGraphStrategy(compute_only=True)``) skips only the collective:
+    the quantizer runs as in the real exchange, so the adaqp/sylvie bounds pay its cost.
+
+    Negative control: returning zeros before encoding (the earlier bound) leaves the
+    generator untouched and fails the state comparison."""
+    run_ranks(_bound_runs_the_codec, 2)
