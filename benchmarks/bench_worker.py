@@ -33,6 +33,11 @@ CPU accounting per epoch (``getrusage`` of the rank process, all threads, and
 ``cpu_other_threads`` (= user + sys - main thread: gloo's transport threads, which copy every
 halo byte through the kernel's loopback TCP stack) plus ``minor_faults``.
 
+The strategy a rank actually ran is recorded too (``strategy``: mode, ``compute_only``,
+``overlap``, bits, whether the exchanger skips transfers and runs Sylvie's pipeline), so a
+report can show that a bound ran its own mode's path; the mode names map to strategy settings
+in ``bench_modes``.
+
 Memory (MiB): ``rss_baseline`` is the rank's resident set right before it loads its part
 (torch, Lightning and PyG imported, process group up, model built), ``rss_after_load`` right
 after, ``peak_rss`` the high-water mark (``VmHWM``; ``ru_maxrss`` recorded too) at the end of
@@ -89,6 +94,25 @@ def _datamodule_class():
     return BenchDataModule
 
 
+def _partition_record(part: Any) -> dict[str, Any]:
+    """Owned, halo and sent rows and the in-edges (aggregation work) of a rank's part."""
+    data = part.data
+    edges = None
+    edge_index = getattr(data, "edge_index", None)
+    if edge_index is not None:
+        edges = int(edge_index.size(1))
+    else:  # a part that keeps only a sparse adjacency
+        adj = getattr(data, "adj_t", None)
+        if adj is not None:
+            edges = int(adj._nnz()) if hasattr(adj, "_nnz") else int(adj.nnz())
+    return {
+        "owned": int(part.plan.num_owned),
+        "halo": int(part.plan.num_halo),
+        "send_rows": int(part.plan.num_send),
+        "edges": edges,
+    }
+
+
 def _callback_class():
     import lightning.pytorch as pl
     import torch
@@ -122,6 +146,21 @@ def _callback_class():
 
                 strategy._maybe_assign_bits = timed  # instance attribute: this rank only
                 self._wrapped = True
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            # what this rank actually runs (a bound must run its own mode's path)
+            s = trainer.strategy
+            ex = getattr(s, "exchanger", None)
+            self.strategy_record = {
+                "class": type(s).__name__,
+                "mode": getattr(s, "mode", None),
+                "compute_only": getattr(s, "compute_only", None),
+                "overlap": getattr(s, "overlap", None),
+                "bits": getattr(s, "bits", None),
+                "staleness": getattr(s, "staleness", None) if getattr(s, "mode", None) == "sylvie" else None,
+                "skip_transfers": getattr(ex, "skip_transfers", None),
+                "pipeline": getattr(ex, "staleness", None) is not None,
+            }
 
         # -- timestamps ----------------------------------------------------------------
         def on_train_epoch_start(self, trainer, pl_module) -> None:
@@ -221,14 +260,8 @@ def _callback_class():
                         else None
                     ),
                 },
-                "partition": None
-                if part is None
-                else {
-                    "owned": int(part.plan.num_owned),
-                    "halo": int(part.plan.num_halo),
-                    "send_rows": int(part.plan.num_send),
-                    "edges": int(part.data.edge_index.size(1)),
-                },
+                "partition": None if part is None else _partition_record(part),
+                "strategy": getattr(self, "strategy_record", None),
                 "epochs": self.epochs,
             }
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -245,6 +278,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(int(spec.get("threads", 1)))
     import lightning.pytorch as pl
+    from bench_modes import is_bound, strategy_settings
 
     from lightning_fullgraph import FullGraphStrategy
     from lightning_fullgraph.models import GNNNodeClassifier
@@ -267,13 +301,9 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     dm = _datamodule_class()(spec["partition_folder"])
     mode = spec["mode"]
     kwargs: dict[str, Any] = dict(spec.get("strategy_kwargs") or {})
-    variants = {
-        "compute-only": dict(mode="exact", compute_only=True),
-        "compute-only-overlap": dict(mode="exact", compute_only=True, overlap=True),
-        "exact-overlap": dict(mode="exact", overlap=True),
-        "adaqp-nooverlap": dict(mode="adaqp", overlap=False),
-    }
-    kwargs.update(variants.get(mode, {"mode": mode}))
+    # exact/adaqp/sylvie, their diagnostic variants, and every one's bound (the same settings
+    # plus compute_only=True: the mode's own compute path, halo collectives skipped)
+    kwargs.update(strategy_settings(mode))
     strategy = FullGraphStrategy(
         start_method="fork", timeout=timedelta(seconds=float(spec.get("pg_timeout", 300))), **kwargs
     )
@@ -297,7 +327,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     logged = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
     test_acc = None
     test_wall = None
-    if spec.get("test") and not mode.startswith("compute-only"):
+    if spec.get("test") and not is_bound(mode):
         t0 = time.perf_counter()
         (res,) = trainer.test(model, datamodule=dm, verbose=False)
         test_wall = time.perf_counter() - t0

@@ -157,9 +157,19 @@ class HaloExchanger:
     # -- transport ------------------------------------------------------------------------
     def _all_to_all(self, send: Tensor, send_counts: list[int], recv_counts: list[int]) -> Tensor:
         """Synchronous uncompressed all-to-all of rows (also used for small metadata)."""
-        return self._start(send, send_counts, recv_counts, None, forward=False)()
+        # Control traffic (bit-widths, scores): sent even by the benchmark bound, whose mode
+        # needs it to make the same decisions as the real run.
+        return self._start(send, send_counts, recv_counts, None, forward=False, always=True)()
 
-    def _start(self, rows: Tensor, send_counts: list[int], recv_counts: list[int], layer: int | None, forward: bool):
+    def _start(
+        self,
+        rows: Tensor,
+        send_counts: list[int],
+        recv_counts: list[int],
+        layer: int | None,
+        forward: bool,
+        always: bool = False,
+    ):
         """Launches one all-to-all without waiting and returns a closure that waits and returns
         the received rows.  ``layer=None`` or 32 bits: rows travel in their own dtype; else
         quantized at the layer's bit-widths (``forward=False``: the reverse direction, for
@@ -173,10 +183,11 @@ class HaloExchanger:
             layer, forward = None, False
         # Benchmark bound: everything this call computes (gather, codec, bookkeeping) runs,
         # only the collective is skipped, and the received rows are zeros.
-        transfer = self._distributed and not self.skip_transfers
+        skip = self.skip_transfers and not always
+        transfer = self._distributed and not skip
         if layer is None:
             shape = (sum(recv_counts),) + tuple(rows.shape[1:])
-            out = rows.new_zeros(shape) if self.skip_transfers else rows.new_empty(shape)
+            out = rows.new_zeros(shape) if skip else rows.new_empty(shape)
             send = rows.contiguous()
             work = None
             if transfer:
@@ -208,7 +219,7 @@ class HaloExchanger:
             self.row_range[layer] = enc.rng
             self.layer_dims[layer] = row_len
             self.stats.record_bits(layer, rows.numel(), int(send_bits.sum()) * row_len)
-        alloc = torch.zeros if self.skip_transfers else torch.empty
+        alloc = torch.zeros if skip else torch.empty
         buf = alloc(sum(recv_nbytes), dtype=torch.uint8, device=rows.device)
         work = None
         if transfer:

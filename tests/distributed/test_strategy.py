@@ -198,3 +198,23 @@ def test_non_finite_values_stop_training_naming_rank_and_layer(tmp_path) -> None
     ):
         cpu_trainer(2, max_epochs=3).fit(_Diverges(conv="gcn"), datamodule=FullGraphDataModule(directed_graph(), cache_dir=tmp_path))
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.timeout(120)
+def test_adaqp_compute_only_bound_assigns_bits_like_the_real_run(tmp_path) -> None:
+    """The adaqp bound skips halo rows but not the control traffic (receiver scores, bit-widths):
+    it trains through several assignments with finite outputs, at bit-widths close to the real
+    run's (not equal: its activations differ, the halo rows being zeros).
+
+    Negative control: skipping the metadata all-to-alls too gives receivers 0-bit rows (NaN,
+    the finite-check stops training)."""
+    data = directed_graph(num_nodes=300, num_edges=2400, num_features=8, seed=3)
+    chosen = {}
+    for compute_only in (False, True):
+        torch.manual_seed(0)
+        model = NodeClassifier(conv="gcn", num_layers=3, hidden=32)
+        kwargs = dict(mode="adaqp", assign_every=1, link_costs="uniform", group_size=10, compute_only=compute_only)
+        trainer = cpu_trainer(2, max_epochs=4, strategy_kwargs=kwargs)
+        trainer.fit(model, datamodule=FullGraphDataModule(data, cache_dir=tmp_path))
+        chosen[compute_only] = float(trainer.callback_metrics["comm/bits"])
+    assert chosen[False] < 8.0 and abs(chosen[True] - chosen[False]) < 1.0

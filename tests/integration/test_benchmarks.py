@@ -1,6 +1,8 @@
-"""Smoke test of ``benchmarks/run.py``: a tiny community graph, 2 ranks, 2 epochs, no link
-throttling.  Checks that the JSON, Markdown and PNG reports are written with sane fields;
-never asserts wall times (they depend on the machine)."""
+"""Tests of ``benchmarks/``: a smoke run of ``run.py`` (a tiny community graph, 2 ranks, 2
+epochs, no link throttling, the single-process peer), and fast unit tests of the pieces the
+numbers rest on: per-mode bounds, the calibration arithmetic of the communication-bound link,
+the report's "faster than its bound" flag, and the peer's two inputs.  Never asserts wall
+times (they depend on the machine); every test states its negative control."""
 
 from __future__ import annotations
 
@@ -35,6 +37,9 @@ def test_link_wrapper_and_tc_parsing() -> None:
     assert "tbf rate 1000000000bit burst 125000b latency 50ms" in prefix[4]
     prefix, _ = run.link_wrapper("10gbit", "per-rank", 4)
     assert "tbf rate 40000000000bit burst 5000000b" in prefix[4]
+    prefix, desc = run.link_wrapper("calibrated", "per-rank", 4, rate_bps=150e6)
+    assert "tbf rate 600000000bit burst 524288b" in prefix[4] and "150.0 Mbit/s" in desc
+    assert run.parse_rate("150mbit") == 150e6 and run.parse_rate("2e8") == 2e8
     stats = run.parse_tc_stats(
         "qdisc tbf 8001: root refcnt 2 rate 1Gbit burst 125000b lat 50ms\n"
         " Sent 553013712 bytes 22280 pkt (dropped 31, overlimits 20299 requeues 0)\n"
@@ -46,8 +51,8 @@ def test_link_wrapper_and_tc_parsing() -> None:
 def test_benchmark_smoke(tmp_path) -> None:
     cmd = [
         sys.executable, str(RUN), "--name", "smoke", "--graph", "community", "--nodes", "600",
-        "--hidden", "16", "--ranks", "2", "--modes", "exact,sylvie", "--link", "none",
-        "--warmup", "1", "--epochs", "1", "--no-scaling", "--accuracy", "", "--timeout", "180",
+        "--hidden", "16", "--ranks", "2", "--modes", "exact,sylvie,sylvie-bound", "--link", "none",
+        "--warmup", "1", "--epochs", "1", "--no-scaling", "--accuracy", "", "--timeout", "180", "--peer-threads", "1",
         "--out-dir", str(tmp_path / "results"), "--cache-dir", str(tmp_path / "cache"),
     ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=230)
@@ -56,7 +61,7 @@ def test_benchmark_smoke(tmp_path) -> None:
     report = json.loads((tmp_path / "results" / "smoke.json").read_text())
     assert report["config"]["link"] == "none"
     runs = {r["mode"]: r for r in report["runs"]}
-    assert set(runs) == {"exact", "sylvie"}
+    assert set(runs) == {"exact", "sylvie", "sylvie-bound"}
     for run in runs.values():
         assert "error" not in run, run.get("error")
         s = run["summary"]
@@ -72,9 +77,23 @@ def test_benchmark_smoke(tmp_path) -> None:
     assert runs["exact"]["summary"]["bits"] == 32
     assert runs["sylvie"]["summary"]["bits"] == 1
     assert runs["sylvie"]["summary"]["bytes_sent"] < runs["exact"]["summary"]["bytes_sent"]
+    # the bound ran sylvie's own path with the transfers skipped (negative control: the old
+    # compute-only bound ran mode="exact" without the pipeline, which these asserts reject)
+    for rank in runs["sylvie-bound"]["ranks_detail"]:
+        st = rank["strategy"]
+        assert (st["mode"], st["compute_only"], st["skip_transfers"], st["pipeline"]) == ("sylvie", True, True, True)
+    for rank in runs["sylvie"]["ranks_detail"]:
+        assert (rank["strategy"]["mode"], rank["strategy"]["compute_only"]) == ("sylvie", False)
+    peers = {(p["variant"], p["threads"]): p for p in report["peer"]}
+    assert set(peers) == {("sparse", 1), ("sparse-cached", 1), ("edge_index", 1)}
+    for p in peers.values():
+        assert "error" not in p, p.get("error")
+        assert p["nodes"] == 600 and p["summary"]["epoch_time"] > 0 and p["summary"]["memory"]["peak_rss"] > 0
 
     md = (tmp_path / "results" / "smoke.md").read_text()
     assert "## Modes side by side" in md and "| community 600 | 2 | sylvie |" in md
+    assert "| community 600 | 2 | sylvie-bound |" in md and "## Peer" in md
+    assert "2-rank exact-bound epoch / peer sparse epoch" not in md  # no exact-bound in this run
     assert "Phase breakdown" in md
 
     png = tmp_path / "results" / "smoke.png"
@@ -82,3 +101,181 @@ def test_benchmark_smoke(tmp_path) -> None:
         assert "matplotlib is not installed" in json.dumps(report["warnings"])
     else:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bounds_run_their_own_mode() -> None:
+    """Every ``M-bound`` is ``FullGraphStrategy(mode=M, compute_only=True)`` with M's own
+    settings (adaqp: overlap on, adaptive bits; sylvie: 1 bit); ``compute-only`` is an alias of
+    ``exact-bound``, and the default ``--modes`` runs each mode AND its bound.
+
+    Negative control: mapping ``adaqp-bound`` to the old ``compute-only`` settings
+    (``mode="exact", compute_only=True``) builds a strategy whose mode is ``exact``, with the
+    overlap off and no bits: the comparison below of every attribute against plain ``adaqp``
+    fails, as asserted at the end."""
+    modes = _load("bench_modes")
+    from lightning_fullgraph import FullGraphStrategy
+
+    def attrs(settings: dict) -> dict:
+        s = FullGraphStrategy(start_method="fork", **settings)
+        return {"mode": s.mode, "compute_only": s.compute_only, "overlap": s.overlap, "bits": s.bits,
+                "staleness": s.staleness}
+
+    for mode in ("exact", "adaqp", "sylvie", "adaqp-nooverlap"):
+        bound = modes.bound_of(mode)
+        assert bound == mode + "-bound" and modes.unbound(bound) == mode
+        assert modes.strategy_settings(bound) == {**modes.strategy_settings(mode), "compute_only": True}
+        plain, bounded = attrs(modes.strategy_settings(mode)), attrs(modes.strategy_settings(bound))
+        assert bounded == {**plain, "compute_only": True}, (mode, plain, bounded)
+        assert bounded["mode"] == modes.base_mode(mode)
+    assert attrs(modes.strategy_settings("adaqp-bound"))["overlap"] is True
+    assert modes.canonical("compute-only") == "exact-bound"
+    assert modes.strategy_settings("compute-only") == {"mode": "exact", "compute_only": True}
+    run = _load("run")
+    args = run.parse_args(["--ranks", "2"])
+    assert args.modes_list == ["exact", "exact-bound", "adaqp", "adaqp-bound", "sylvie", "sylvie-bound"]
+    assert run.parse_args(["--modes", "exact,compute-only"]).modes_list == ["exact", "exact-bound"]
+    # the negative control: the old bound is not adaqp's path
+    old = attrs({"mode": "exact", "compute_only": True})
+    assert old != attrs(modes.strategy_settings("adaqp-bound"))
+
+
+def test_calibration_arithmetic() -> None:
+    """Rate from bytes, T_c and the target share; bytes per scope incl. the gradient
+    all-reduce; the one-step rescale.  Checked with numbers and by the model's round trip.
+
+    Negative control: the naive rate ``bytes / T_c`` (comm = compute) gives a 50 % share, not
+    the 75 % target: the round trip below rejects it."""
+    run = _load("run")
+    # 300 MB through the link, 1 s of computation, 75 %: comm must take 3 s -> 100 MB/s = 800 Mbit/s
+    rate = run.calibrated_rate(300e6, 1.0, 0.75)
+    assert rate == pytest.approx(800e6)
+    assert run.calibrated_rate(300e6, 2.0, 0.5) == pytest.approx(1.2e9)
+
+    def share(rate_bps: float, nbytes: float, compute: float) -> float:
+        comm = nbytes * 8 / rate_bps
+        return comm / (compute + comm)
+
+    for nbytes, compute, target in ((300e6, 1.0, 0.75), (64.75e6, 5.2, 0.7), (1e5, 0.01, 0.8)):
+        assert share(run.calibrated_rate(nbytes, compute, target), nbytes, compute) == pytest.approx(target)
+    assert share(8 * 300e6 / 1.0, 300e6, 1.0) == pytest.approx(0.5)  # the naive rate: not 75 %
+    # ring all-reduce: 2 (n-1)/n of the parameters per rank
+    assert run.allreduce_bytes_per_rank(1e6, 4) == pytest.approx(1.5e6)
+    assert run.allreduce_bytes_per_rank(1e6, 1) == 0
+    # shared: every rank's halo bytes + every rank's all-reduce share; per-rank: the busiest rank's
+    assert run.link_bytes_per_epoch("shared", 4, 64e6, 20e6, 1e6) == pytest.approx(64e6 + 4 * 1.5e6)
+    assert run.link_bytes_per_epoch("per-rank", 4, 64e6, 20e6, 1e6) == pytest.approx(20e6 + 1.5e6)
+    assert run.comm_fraction(4.0, 1.0) == pytest.approx(0.75)
+    # rescale: a probe at 800 Mbit/s measured 50 % (epoch 2 s = 1 s compute + 1 s comm of 100 MB);
+    # 75 % needs 3 s of comm for the same bytes -> 100 MB / 3 s
+    new = run.rescaled_rate(800e6, 0.5, 0.75)
+    assert new == pytest.approx(800e6 / 3)
+    assert share(new, 100e6, 1.0) == pytest.approx(0.75)
+    assert run.rescaled_rate(800e6, 0.75, 0.75) == pytest.approx(800e6)  # on target: unchanged
+    # the partition fallback: rows x hidden x 4 B x 2 directions x (layers - 1)
+    assert run.halo_bytes_from_partition(1000, 256, 3) == 2 * 2 * 256 * 4 * 1000
+
+
+def _synthetic_report(adaqp_times: list[float], adaqp_bound_times: tuple = (1.5, 1.6, 1.7)) -> dict:
+    def run(mode: str, times: list[float]) -> dict:
+        summary = {
+            "epoch_time": sorted(times)[len(times) // 2], "epoch_time_mean": sum(times) / len(times),
+            "epoch_time_min": min(times), "epoch_time_max": max(times), "epochs_measured": len(times),
+            "phases": {"wait": 0.1, "allreduce": 0.05}, "cpu": {}, "wait_max_rank": 0.2, "allreduce_max_rank": 0.1,
+            "bytes_sent": 1e6, "bits": 32.0, "partition": {"owned_mean": 10, "halo_mean": 5},
+            "memory": {"peak_rss_max": 500, "peak_above_baseline_max": 100, "rss_baseline_mean": 400,
+                       "peak_above_baseline_mean": 90},
+        }
+        return {"section": "main", "graph_key": "g", "graph_label": "g", "graph_nodes": 100, "mode": mode, "ranks": 4,
+                "summary": summary, "ranks_detail": [], "link_rate_bps": 1e9}
+
+    runs = [run("exact", [2.0, 2.1, 2.2]), run("exact-bound", [1.0, 1.1, 1.2]), run("adaqp", adaqp_times),
+            run("adaqp-bound", list(adaqp_bound_times)), run("sylvie", [1.6, 1.7, 1.8]), run("sylvie-bound", [1.55, 1.6, 1.65])]
+    return {"name": "synthetic", "config": {"link": "1gbit", "conv": "gcn", "layers": 3, "hidden": 8}, "graphs": {},
+            "runs": runs, "host": {}, "link": {"description": "test"}}
+
+
+def test_report_flags_mode_faster_than_its_bound() -> None:
+    """A mode whose median epoch beats ITS OWN bound by more than 5 % (or whose whole measured
+    range lies below the bound's) is flagged in the table and in a warning at the top, and its
+    ratio is taken against its own bound (adaqp / adaqp-bound), not exact-bound.
+
+    Negative control: the same report with adaqp 5 % SLOWER than adaqp-bound (and sylvie
+    within 3 % of sylvie-bound, overlapping ranges) shows no flag at all."""
+    report_mod = _load("bench_report")
+    fast = _synthetic_report([1.2, 1.3, 1.4])  # adaqp 1.3 s vs adaqp-bound 1.6 s: 0.81x
+    checks = {c["run"]["mode"]: c for c in report_mod.bound_checks(fast)}
+    assert checks["adaqp"]["flag"] and checks["adaqp"]["bound"]["mode"] == "adaqp-bound"
+    assert checks["adaqp"]["ratio"] == pytest.approx(1.3 / 1.6)
+    assert not checks["exact"]["flag"] and not checks["sylvie"]["flag"]
+    md = report_mod.markdown(fast, None)
+    assert "FASTER THAN ITS BOUND adaqp-bound" in md
+    assert "**0.81x FASTER THAN ITS BOUND**" in md
+    assert md.count("FASTER THAN ITS BOUND") == 2  # the warning at the top and the table cell; not sylvie/exact
+    rows = {r["run"]["mode"]: r for r in report_mod.main_rows(fast)}
+    assert rows["exact"]["vs_bound"] == pytest.approx(2.1 / 1.1)
+    assert rows["sylvie"]["vs_bound"] == pytest.approx(1.7 / 1.6)
+    # the speedup table is against exact
+    assert "| g | 4 | 2.100 | 1.00x | 1.91x | 1.62x | 1.31x | 1.24x | 1.31x |" in report_mod.speedup_table(fast)
+    # within 5 % and overlapping the bound's range (1.5-1.7 s): not flagged
+    close = _synthetic_report([1.52, 1.56, 1.6])
+    assert not {c["run"]["mode"]: c for c in report_mod.bound_checks(close)}["adaqp"]["flag"]
+    # within 5 % but entirely below the bound's range (1.58-1.62 s): flagged as outside the measured spread
+    below = _synthetic_report([1.55, 1.56, 1.57], (1.58, 1.6, 1.62))
+    check = {c["run"]["mode"]: c for c in report_mod.bound_checks(below)}["adaqp"]
+    assert check["flag"] and check["below_spread"] and not check["beyond_tolerance"]
+    # negative control
+    slow = _synthetic_report([1.6, 1.68, 1.75])
+    assert not any(c["flag"] for c in report_mod.bound_checks(slow))
+    assert "FASTER THAN" not in report_mod.markdown(slow, None)
+
+
+def test_peer_edge_index_and_sparse_logits_match() -> None:
+    """The peer's sparse input (``torch.sparse_csr`` adj_t, rows = destinations; for GCN also
+    with ``cached=True``) gives the same logits as ``edge_index`` for the GCN and SAGE models the
+    benchmark trains, on a small directed graph without self-loops, and one training step moves
+    them all the same way.
+
+    Negative control: the untransposed adjacency (rows = sources) on the same directed graph
+    gives different logits, so a transposition mistake in ``adjacency_t`` would fail here."""
+    import torch
+    from torch_geometric.utils import coalesce, remove_self_loops, to_torch_csr_tensor
+
+    peer = _load("peer")
+    gen = torch.Generator().manual_seed(0)
+    n = 40
+    edge_index, _ = remove_self_loops(torch.randint(0, n, (2, 200), generator=gen))
+    edge_index = coalesce(edge_index, num_nodes=n)  # directed: (u, v) without (v, u) in general
+    x = torch.randn(n, 12, generator=gen)
+    y = torch.randint(0, 3, (n,), generator=gen)
+    mask = torch.rand(n, generator=gen) < 0.5
+    for conv in ("gcn", "sage"):
+        variants = peer.variants_for(conv)
+        assert ("sparse-cached" in variants) == (conv == "gcn")
+        models = [peer.build_model(conv, 12, 3, hidden=16, layers=3, seed=1) for _ in variants]
+        for m, v in zip(models, variants):
+            m.eval()
+            if v == "sparse-cached":
+                assert peer.set_cached(m) == 3
+        inputs = [peer.graph_input(edge_index, n, v) for v in variants]
+        assert variants[-1] == "edge_index"
+        models, inputs = models[::-1], inputs[::-1]  # edge_index first
+        assert inputs[1].layout == torch.sparse_csr
+        with torch.no_grad():
+            a, *others = (m(x, g) for m, g in zip(models, inputs))
+        for b in others:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        wrong = to_torch_csr_tensor(edge_index, size=(n, n))  # rows = sources: the transpose of adj_t
+        with torch.no_grad():
+            assert not torch.allclose(models[0](x, wrong), a, atol=1e-3), conv
+        # one training step (dropout off for determinism) keeps them equal
+        for m in models:
+            m.hparams.dropout = 0.0
+        opts = [m.configure_optimizers() for m in models]
+        losses = [peer.train_epoch(m, o, x, g, y, mask) for m, o, g in zip(models, opts, inputs)]
+        assert losses[1:] == pytest.approx(losses[:1] * (len(losses) - 1), rel=1e-5)
+        for m in models:
+            m.eval()
+        with torch.no_grad():
+            a = models[0](x, inputs[0])
+            for m, g in zip(models[1:], inputs[1:]):  # sparse-cached: reuses its cached normalisation
+                torch.testing.assert_close(m(x, g), a, rtol=1e-4, atol=1e-5)
