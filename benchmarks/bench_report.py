@@ -698,26 +698,33 @@ def goal_lines(report: dict[str, Any]) -> list[str]:
         label = next(iter(by_mode.values()))["run"]["graph_label"]
         head = f"{label}, {ranks} ranks, link {report['config']['link']}" + (f" [{group}]" if group else "")
         exact_bound = by_mode.get("exact-bound")
+        # issue 10: the communication-bound regime (calibrated link) and the 1 Gbit/s link
+        commbound = report["config"]["link"] == "calibrated"
+        need = {"adaqp": 2.5, "sylvie": 3.0} if commbound else {"adaqp": 1.5, "sylvie": 2.0}
+        for mode in ("adaqp", "sylvie"):
+            r = by_mode.get(mode)
+            if r is None or r["speedup"] is None:
+                continue
+            ok = r["speedup"] >= need[mode]
+            out.append(
+                f"- {head}: {mode} speedup over exact = {r['speedup']:.2f}x (median; "
+                f"{_f(r['speedup_mean'], '{:.2f}x')} on the mean) — goal >= {need[mode]:g}x: "
+                f"**{'met' if ok else 'NOT met'}**"
+            )
         if "sylvie" in by_mode and by_mode["sylvie"]["vs_bound"] is not None:
             r = by_mode["sylvie"]
-            ok = r["vs_bound"] <= 1.3
             own = "sylvie-bound" if r["own_bound"] else "exact-bound"
             extra = ""
             if r["own_bound"] and exact_bound:
                 extra = (f"; vs exact-bound {r['run']['summary']['epoch_time'] / exact_bound['run']['summary']['epoch_time']:.2f}x")
+            goal = f" — goal <= 1.2x: **{'met' if r['vs_bound'] <= 1.2 else 'NOT met'}**" if commbound else ""
             out.append(
                 f"- {head}: sylvie / {own} = {r['vs_bound']:.2f}x (median epoch; "
-                f"{_f(r['vs_bound_mean'], '{:.2f}x')} on the mean, which counts its synchronous epochs{extra}) "
-                f"— goal <= 1.3x: **{'met' if ok else 'NOT met'}**" + (" (flagged: faster than its bound)" if r["flag"] else "")
+                f"{_f(r['vs_bound_mean'], '{:.2f}x')} on the mean, which counts its synchronous epochs{extra})"
+                + goal + (" (flagged: faster than its bound)" if r["flag"] else "")
             )
-        if "adaqp" in by_mode and by_mode["adaqp"]["speedup"] is not None:
-            r = by_mode["adaqp"]
-            ok = r["speedup"] >= 2.0
-            out.append(
-                f"- {head}: adaqp speedup over exact = {r['speedup']:.2f}x (median; "
-                f"{_f(r['speedup_mean'], '{:.2f}x')} on the mean) — goal >= 2x: **{'met' if ok else 'NOT met'}**"
-                + (f"; adaqp / adaqp-bound = {r['vs_bound']:.2f}x" if r["vs_bound"] is not None and r["own_bound"] else "")
-            )
+        if "adaqp" in by_mode and by_mode["adaqp"]["vs_bound"] is not None and by_mode["adaqp"]["own_bound"]:
+            out.append(f"- {head}: adaqp / adaqp-bound = {by_mode['adaqp']['vs_bound']:.2f}x")
         if "exact" in by_mode and by_mode["exact"]["vs_bound"] is not None:
             r = by_mode["exact"]
             out.append(f"- {head}: exact / exact-bound = {r['vs_bound']:.2f}x (the gap compression attacks; "

@@ -68,6 +68,19 @@ def encode_rows(rows: Tensor, bits: Tensor, counts: list[int], generator: torch.
     ``bits[i]`` bits for row ``i``, into the layout of the module docstring."""
     row_len = rows.size(1)
     by_bits = _counts_by_bits(bits, counts)
+    if len(by_bits) == 1:
+        # One bit-width (sylvie, adaqp before its first assignment): the quantizer's records,
+        # in row order, already are the peer-contiguous layout; no gather, no re-concatenation.
+        (b,) = by_bits
+        q = quantize(rows, b, generator=generator)
+        return EncodedRows(buffer=q.buffer.reshape(-1), nbytes=message_nbytes(bits, counts, row_len), rng=q.rng)
+    return _encode_grouped(rows, bits, counts, by_bits, generator)
+
+
+def _encode_grouped(
+    rows: Tensor, bits: Tensor, counts: list[int], by_bits: dict[int, list[int]], generator: torch.Generator | None
+) -> EncodedRows:
+    row_len = rows.size(1)
     records: dict[int, list[Tensor]] = {}
     rng = torch.zeros(rows.size(0), dtype=torch.float32, device=rows.device)
     for b, per_peer in by_bits.items():
@@ -84,6 +97,15 @@ def decode_rows(buffer: Tensor, bits: Tensor, counts: list[int], row_len: int) -
     """Inverse of :func:`encode_rows` at the receiver: ``[R, row_len]`` float32 rows, where
     ``counts[q]`` rows came from peer ``q`` and ``bits`` (``[R]``) are their bit-widths."""
     by_bits = _counts_by_bits(bits, counts)
+    if len(by_bits) == 1:
+        (b,) = by_bits
+        return dequantize(from_bytes(buffer.contiguous(), bits.numel(), row_len, b))
+    return _decode_grouped(buffer, bits, counts, row_len, by_bits)
+
+
+def _decode_grouped(
+    buffer: Tensor, bits: Tensor, counts: list[int], row_len: int, by_bits: dict[int, list[int]]
+) -> Tensor:
     out = torch.empty((bits.numel(), row_len), dtype=torch.float32, device=buffer.device)
     per_bits: dict[int, list[Tensor]] = {b: [] for b in by_bits}
     offset = 0
