@@ -137,9 +137,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "instead of calibrating")
     p.add_argument("--target-comm", type=float, default=0.75,
                    help="--link calibrated: the fraction of exact's epoch spent communicating (default 0.75)")
-    p.add_argument("--target-band", type=float, default=0.05,
+    p.add_argument("--target-band", type=float, default=0.02,
                    help="--link calibrated: the probe's measured fraction may miss the target by this much before "
-                   "the rate is rescaled once (default 0.05: 70-80%%)")
+                   "the rate is rescaled once (default 0.02: 73-77%%, inside the papers' 70-80%% regime)")
     p.add_argument("--calibration-epochs", type=int, default=2,
                    help="measured epochs of the calibration runs (exact-bound unthrottled, exact probe)")
     p.add_argument("--fallback-none", action="store_true",
