@@ -358,6 +358,21 @@ def parse_tc_stats(text: str) -> dict[str, int]:
 
 
 
+def run_logged(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) -> tuple[int | None, float]:
+    """Runs ``cmd`` in its own session with output to ``log_path``; kills the whole session
+    (the worker and its ranks) after ``timeout`` s.  Returns (exit status or None, wall s)."""
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc: int | None = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+    return rc, time.perf_counter() - t0
+
+
 # -- graphs and partitions -----------------------------------------------------------------
 # mean degree of the generated community graph (--avg-degree; set once by main)
 COMMUNITY_AVG_DEGREE = [8.0]
@@ -527,16 +542,7 @@ def run_config(args: argparse.Namespace, cfg: dict[str, Any], run_root: Path, in
         "link_base_bps": rate,  # per link
         "link_rate_bps": None if rate is None else rate * factor,  # the bucket's rate
     }
-    t0 = time.perf_counter()
-    with open(run_dir / "log.txt", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the worker's own session: it and its ranks
-            proc.wait()
-            rc = None
-    record["wall_s"] = time.perf_counter() - t0
+    rc, record["wall_s"] = run_logged(cmd, env, run_dir / "log.txt", args.timeout)
     tc = run_dir / "tc_stats.txt"
     if tc.is_file():
         record["tc"] = parse_tc_stats(tc.read_text())
@@ -718,16 +724,7 @@ def run_peers(args: argparse.Namespace, graph: dict[str, Any], graph_path: Path,
             rec: dict[str, Any] = {"section": "peer", "graph_key": graph["key"], "graph_label": graph["label"],
                                    "variant": variant, "threads": threads, "run_dir": str(run_dir),
                                    "command": shlex.join(cmd)}
-            t0 = time.perf_counter()
-            with open(run_dir / "log.txt", "w") as log:
-                proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-                try:
-                    rc = proc.wait(timeout=args.timeout)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    rc = None
-            rec["wall_s"] = time.perf_counter() - t0
+            rc, rec["wall_s"] = run_logged(cmd, env, run_dir / "log.txt", args.timeout)
             result_path = run_dir / "result.json"
             if rc != 0 or not result_path.is_file():
                 tail = (run_dir / "log.txt").read_text(errors="replace").strip().splitlines()[-3:]
