@@ -223,6 +223,12 @@ class HaloContext:
 
 # -- adapters ---------------------------------------------------------------------------
 
+
+def _csr_dtype(x: Tensor) -> torch.dtype:
+    """Value dtype of the CSR blocks: float64 for float64 features, else float32 (torch's CSR
+    products have no half/bfloat16 kernels; see ``_make_message_and_aggregate``)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
 # Convs whose fused path is exact on a CSR adjacency, and what its values hold: "ones"
 # (the conv ignores edge weights: SAGE, GIN) or "edge_weight" (GraphConv's optional weights).
 # Exact types only: a subclass may override `message`, which the fused path would bypass.
@@ -242,8 +248,8 @@ def _bipartite(conv, forward, ctx: HaloContext, x: Tensor, edge_index, args: tup
         rest_args, rest_kwargs = args, kwargs
     if values is not None and not rest_args and not rest_kwargs and ctx.use_sparse(conv, x, weight):
         # The conv's own fused path (message_and_aggregate -> torch.sparse.mm) on cached CSR blocks.
-        if not ctx.overlap or (split := ctx.split(edge_index, weight, sparse=True, dtype=x.dtype)) is None:
-            return forward((ctx.exchange(x), x), ctx.adjacency(edge_index, weight, x.dtype))
+        if not ctx.overlap or (split := ctx.split(edge_index, weight, sparse=True, dtype=_csr_dtype(x))) is None:
+            return forward((ctx.exchange(x), x), ctx.adjacency(edge_index, weight, _csr_dtype(x)))
         pending = ctx.exchanger.exchange_async(x)
         out_c = forward((x, x[split.central]), split.central_block)
         x_full = torch.cat([x, pending.wait()], dim=0)
@@ -283,7 +289,7 @@ def _gcn(conv: GCNConv, forward, ctx: HaloContext, x: Tensor, edge_index, args: 
     else:
         weight = edge_weight
     sparse = ctx.use_sparse(conv, x, weight)
-    split = ctx.split(edge_index, weight, sparse=sparse, dtype=x.dtype) if ctx.overlap else None
+    split = ctx.split(edge_index, weight, sparse=sparse, dtype=_csr_dtype(x)) if ctx.overlap else None
     if split is not None:
         # out = A_hat (X W) + b, computed as central rows (owned sources only) while the halo
         # is in flight, then marginal rows; lin is applied once per row.
@@ -306,7 +312,7 @@ def _gcn(conv: GCNConv, forward, ctx: HaloContext, x: Tensor, edge_index, args: 
     normalize, conv.normalize = conv.normalize, False
     try:
         if sparse:
-            return forward(ctx.exchange(x), ctx.adjacency(edge_index, weight, x.dtype))
+            return forward(ctx.exchange(x), ctx.adjacency(edge_index, weight, _csr_dtype(x)))
         out = forward(ctx.exchange(x), edge_index, weight)
     finally:
         conv.normalize = normalize
@@ -423,11 +429,19 @@ def _make_message_and_aggregate(conv: MessagePassing, own: Callable[..., Any], c
     # These convs' own fused step is `spmm(adj_t, x_src, reduce=conv.aggr)`; on the adapters'
     # cached CSR blocks the same product runs with a transpose built once for the backward.
     def message_and_aggregate(adj_t: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(adj_t, Tensor) and adj_t.layout == torch.sparse_csr:
-            out = ctx.aggregate(adj_t, x[0] if isinstance(x, tuple) else x, conv.aggr)
-            if out is not None:
-                return out
-        return own(adj_t, x, *args, **kwargs)
+        if not (isinstance(adj_t, Tensor) and adj_t.layout == torch.sparse_csr):
+            return own(adj_t, x, *args, **kwargs)
+        src = x[0] if isinstance(x, tuple) else x
+        dtype = src.dtype
+        # CSR kernels have no half/bfloat16 versions, and autocast ("bf16-mixed") would cast
+        # the product's inputs down: it runs in the CSR's dtype with autocast off, and the
+        # result goes back to the features' dtype.
+        src = src.to(adj_t.dtype)
+        with torch.autocast(device_type=src.device.type, enabled=False):
+            out = ctx.aggregate(adj_t, src, conv.aggr)
+            if out is None:
+                out = own(adj_t, (src,) + tuple(x[1:]) if isinstance(x, tuple) else src, *args, **kwargs)
+        return out.to(dtype)
 
     return message_and_aggregate
 
