@@ -20,7 +20,11 @@ graph. :func:`partition_graph` computes that ownership map once, before training
       included). A rank's compute is dominated by its aggregation work, i.e. the number of
       edges whose destination it owns (``partition_stats()["edges_per_part"]``), plus one
       row of dense work per owned node; in the exact mode every layer waits for the
-      slowest rank, so it is the *edges* that must be balanced. On graphs with a
+      slowest rank, so it is the *edges* that must be balanced. (With the adapters' sparse
+      aggregation an edge costs about ``F`` multiply-adds while a node's dense layers cost
+      about ``F^2``, so on graphs with a mean degree below the hidden width the node term
+      matters as much; measured on tolokers at hidden 256, edge and node balance gave the
+      same epoch time.) On graphs with a
       heavy-tailed in-degree, node-balanced parts are badly edge-imbalanced (a part that
       holds the hubs does most of the work). The node counts are then only roughly
       balanced.
