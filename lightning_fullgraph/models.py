@@ -13,7 +13,6 @@ by OGB's official :class:`ogb.nodeproppred.Evaluator`.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -25,15 +24,14 @@ from torch_geometric.nn import GATConv, GCNConv, GINConv, GraphConv, SAGEConv
 from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import BinaryAUROC, MulticlassAccuracy, MulticlassAUROC
 
+from lightning_fullgraph._warnings import ScopedWarningFilter
+
 __all__ = ["GNNNodeClassifier"]
 
 ConvName = Literal["gcn", "sage", "gat", "gin", "graph"]
 MetricName = Literal["accuracy", "rocauc"]
 METRICS = ("accuracy", "rocauc")
 
-# val_ogb_acc / test_ogb_acc are computed from labels gathered from every rank, so each rank
-# logs the same value: Lightning's advice to add sync_dist=True does not apply to them.
-warnings.filterwarnings("ignore", message=r".*self\.log\('(val|test)_ogb_acc'.*sync_dist=True")
 
 
 def _conv(kind: str, in_dim: int, out_dim: int, heads: int, last: bool) -> nn.Module:
@@ -132,6 +130,10 @@ class GNNNodeClassifier(pl.LightningModule):
         if metric not in METRICS:
             raise ValueError(f"metric={metric!r}; choose one of {METRICS}")
         self._evaluator = _ogb_evaluator(ogb_evaluator) if ogb_evaluator is not None else None
+        # val_ogb_acc / test_ogb_acc are computed from labels gathered from every rank, so each
+        # rank logs the same value: Lightning's advice to add sync_dist=True (warned at epoch
+        # end) does not apply to them. Active between setup and teardown only.
+        self._ogb_warning = ScopedWarningFilter(r".*self\.log\('(val|test)_ogb_acc'.*sync_dist=True")
         self.save_hyperparameters()
         self.convs: nn.ModuleList | None = None
         self.norms: nn.ModuleList | None = None
@@ -294,6 +296,13 @@ class GNNNodeClassifier(pl.LightningModule):
 
     def on_test_epoch_end(self) -> None:
         self._log_ogb("test")
+
+    def setup(self, stage: str) -> None:
+        if self._evaluator is not None:
+            self._ogb_warning.install()
+
+    def teardown(self, stage: str) -> None:
+        self._ogb_warning.remove()
 
     def predict_step(self, batch: Data, batch_idx: int) -> Tensor:
         """Logits of this rank's nodes; the strategy returns them for all nodes, globally ordered."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -39,6 +38,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fullgraph._warnings import ScopedWarningFilter
 from lightning_fullgraph.comm.exchange import HaloExchanger
 from lightning_fullgraph.nn.adapters import HaloContext, install_adapters, uninstall_adapters
 
@@ -49,9 +49,6 @@ __all__ = ["FullGraphStrategy", "MODES"]
 
 log = logging.getLogger(__name__)
 
-# The comm/* figures are summed over ranks with one all-reduce before logging; Lightning's
-# advice to pass sync_dist=True (one all-reduce per metric) does not apply to them.
-warnings.filterwarnings("ignore", message=r".*self\.log\('comm/.*sync_dist=True")
 
 MODES = ("exact", "adaqp", "sylvie")
 LOSS_WEIGHTINGS = ("train_mask", "mean", "sum")
@@ -206,6 +203,10 @@ class FullGraphStrategy(DDPStrategy):
         self._loss_scale: float = 1.0
         self._partition: LocalPartition | None = None
         self._comm_callback = _CommMetricsLogger(self)
+        # The comm/* figures are summed over ranks with one all-reduce before logging;
+        # Lightning's advice to pass sync_dist=True (one all-reduce per metric) does not apply
+        # to them. Lightning warns at epoch end, so the filter spans setup..teardown.
+        self._comm_warning = ScopedWarningFilter(r".*self\.log\('comm/.*sync_dist=True")
 
     # -- lifecycle ------------------------------------------------------------------------
     @property
@@ -277,6 +278,7 @@ class FullGraphStrategy(DDPStrategy):
         _warn_non_exact_layers(self.lightning_module)
         if trainer.state.fn == TrainerFn.FITTING:
             self._loss_scale = self._compute_loss_scale(partition)
+        self._comm_warning.install()
         if self._comm_callback not in trainer.callbacks:
             trainer.callbacks.append(self._comm_callback)
         super().setup(trainer)
@@ -412,6 +414,7 @@ class FullGraphStrategy(DDPStrategy):
         self._patched = []
         if self._exchanger is not None:
             self._exchanger.clear_cache()
+        self._comm_warning.remove()
         super().teardown()
 
     @override
