@@ -29,6 +29,8 @@ VARIANT_SETTINGS: dict[str, dict[str, Any]] = {
     "adaqp": {"mode": "adaqp"},
     "adaqp-nooverlap": {"mode": "adaqp", "overlap": False},
     "sylvie": {"mode": "sylvie"},
+    # AdaQP's assignment inside Sylvie's pipeline (PipeQS-style combination)
+    "sylvie-adaptive": {"mode": "sylvie", "bits": "adaptive"},
 }
 BASE_MODES = ("exact", "adaqp", "sylvie")
 ALIASES = {"compute-only": "exact-bound", "compute-only-overlap": "exact-overlap-bound"}

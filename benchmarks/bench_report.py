@@ -47,21 +47,29 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def summarize(results: dict[str, Any] | list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+#: Trailing epochs every worker runs but nobody measures: Sylvie's last epoch sends nothing
+#: (no later epoch would consume it), which would flatter a short measurement.
+COOLDOWN_EPOCHS = 1
+
+
+def summarize(results: dict[str, Any] | list[dict[str, Any]], warmup: int, cooldown: int = 0) -> dict[str, Any]:
     """Per-configuration figures from one worker result, or from repeats of the same
-    configuration (their measured epochs pooled; see the module docstring)."""
+    configuration (their measured epochs pooled; see the module docstring); the first
+    ``warmup`` and the last ``cooldown`` epochs are not measured."""
     if isinstance(results, dict):
         results = [results]
     per_epoch = []
     for repeat, result in enumerate(results):
-        per_epoch += _epochs(result["ranks"], warmup, repeat)
+        per_epoch += _epochs(result["ranks"], warmup, repeat, cooldown)
     ranks = [r for result in results for r in result["ranks"]]
     return _summary(per_epoch, ranks, len(results))
 
 
-def _epochs(ranks: list[dict[str, Any]], warmup: int, repeat: int) -> list[dict[str, Any]]:
+def _epochs(ranks: list[dict[str, Any]], warmup: int, repeat: int, cooldown: int = 0) -> list[dict[str, Any]]:
     n_epochs = min(len(r["epochs"]) for r in ranks)
-    measured = list(range(min(warmup, max(n_epochs - 1, 0)), n_epochs))
+    start = min(warmup, max(n_epochs - 1, 0))
+    end = n_epochs - cooldown if n_epochs - cooldown > start else n_epochs
+    measured = list(range(start, end))
     per_epoch = []
     for e in measured:
         recs = [r["epochs"][e] for r in ranks]

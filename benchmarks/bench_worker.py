@@ -23,7 +23,7 @@ What a rank records, per training epoch (``time.perf_counter``, seconds)::
 * ``wait``/``quant`` the rank's own ``HaloExchanger.stats`` (seconds blocked in halo
   collectives / quantizing + dequantizing), which happen inside forward and backward,
 * ``assign``    AdaQP bit-width assignment (timed around the strategy's
-  ``_maybe_assign_bits``), inside forward,
+  ``comm/assign_time`` of the strategy's ``step_figures``), before forward,
 * ``compute``   ``forward + backward - wait - quant - assign``,
 * ``other``     ``epoch - (forward + backward + allreduce + optimizer)``: Lightning's
   loop, the strategy's per-epoch metric all-reduce, logging.
@@ -125,27 +125,10 @@ def _callback_class():
             self.threads = threads
             self.epochs: list[dict[str, Any]] = []
             self._t: dict[str, float] = {}
-            self._assign = 0.0
-            self._assigned = False
-            self._wrapped = False
 
         # -- setup ---------------------------------------------------------------------
         def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
             torch.set_num_threads(self.threads)
-            strategy = trainer.strategy
-            if not self._wrapped and hasattr(strategy, "_maybe_assign_bits"):
-                original = strategy._maybe_assign_bits
-
-                def timed(epoch: int) -> Any:
-                    t0 = time.perf_counter()
-                    result = original(epoch)
-                    if result is not None:
-                        self._assign += time.perf_counter() - t0
-                        self._assigned = True
-                    return result
-
-                strategy._maybe_assign_bits = timed  # instance attribute: this rank only
-                self._wrapped = True
 
         def on_train_start(self, trainer, pl_module) -> None:
             # what this rank actually runs (a bound must run its own mode's path)
@@ -159,14 +142,13 @@ def _callback_class():
                 "bits": getattr(s, "bits", None),
                 "staleness": getattr(s, "staleness", None) if getattr(s, "mode", None) == "sylvie" else None,
                 "skip_transfers": getattr(ex, "skip_transfers", None),
-                "pipeline": getattr(ex, "staleness", None) is not None,
+                "pipeline": ex is not None and ex.policy.pipeline is not None,
             }
 
         # -- timestamps ----------------------------------------------------------------
         def on_train_epoch_start(self, trainer, pl_module) -> None:
             self._cpu0 = (resource.getrusage(resource.RUSAGE_SELF), time.thread_time())
             self._t = {"epoch_start": time.perf_counter()}
-            self._assign, self._assigned = 0.0, False
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             self._t["batch_start"] = time.perf_counter()
@@ -205,29 +187,33 @@ def _callback_class():
                 rec["optimizer"] = t["batch_end"] - t["before_optimizer"]
             else:  # a skipped step: only the epoch wall time is meaningful
                 rec["epoch_time"] = t["epoch_end"] - t.get("epoch_start", t["epoch_end"])
-            rec["assign"] = self._assign
-            rec["assigned"] = self._assigned
+            # the policy's assignment runs inside the training step, before forward
+            figures = getattr(trainer.strategy, "step_figures", {})
+            rec["assign"] = float(figures.get("comm/assign_time", 0.0))
+            rec["assigned"] = "comm/assign_time" in figures
             ex = getattr(trainer.strategy, "exchanger", None)
             if ex is not None:
                 s = ex.stats  # reset by the strategy at every batch start: this epoch's step
                 rec.update(
-                    bytes_sent=int(s.bytes_sent),
-                    bytes_recv=int(s.bytes_recv),
+                    bytes_sent=int(sum(s.bytes_sent.values())),
+                    bytes_recv=int(sum(s.bytes_recv.values())),
+                    onetime_bytes=int(s.bytes_sent["onetime"]),
                     exchanges=int(s.exchanges),
                     forward_exchanges=int(s.forward_exchanges),
                     backward_exchanges=int(s.backward_exchanges),
                     cache_hits=int(s.cache_hits),
                     wait=float(s.wait_time),
                     quant=float(s.quant_time),
-                    bits_sent=int(s.bits_sent),
-                    values_sent=int(s.values_sent),
+                    # per-epoch messages, forward and backward, payload bits (no metadata)
+                    bits_sent=int(sum(s.payload_bits.values())),
+                    values_sent=int(sum(s.values.values())),
                 )
-                st = getattr(ex, "staleness", None)
+                st = ex.policy.pipeline
                 if st is not None:
                     ages = [a for _, _, a in st.ages]
                     rec["staleness_max"] = max(ages, default=0)
                     rec["staleness_mean"] = sum(ages) / len(ages) if ages else 0.0
-                    rec["sync"] = bool(getattr(ex, "_sync", True))
+                    rec["sync"] = bool(ex.policy.synchronous)
             if "forward" in rec:
                 rec["compute"] = rec["forward"] + rec["backward"] - rec.get("wait", 0.0) - rec.get("quant", 0.0) - rec["assign"]
                 rec["other"] = rec["epoch_time"] - (rec["forward"] + rec["backward"] + rec["allreduce"] + rec["optimizer"])

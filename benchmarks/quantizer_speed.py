@@ -7,9 +7,11 @@ Prints, for 1/2/4/8 bits, GB/s of float32 *input* (``rows * cols * 4`` bytes per
 * ``naive q`` / ``naive dq`` -- a straightforward torch implementation (float ``torch.rand``
   dither, full-size temporaries, shift-and-or packing over strided views),
 
-beside ``x.clone()`` (allocate + copy) and ``copy_`` into an existing tensor.  Every figure is
-the median of ``--repeats`` calls after a warm-up call.  ``--timer cpu`` measures the thread's
-CPU time instead of wall-clock time, which is steadier when other processes share the cores.
+beside ``x.clone()`` (allocate + copy) and ``copy_`` into an existing tensor, and the wire size:
+bytes per row (16-bit row metadata + packed levels) and how many times fewer than float32.
+Every figure is the median of ``--repeats`` calls after a warm-up call.  ``--timer cpu``
+measures the thread's CPU time instead of wall-clock time, which is steadier when other
+processes share the cores.
 
     python benchmarks/quantizer_speed.py --rows 100000 --cols 256 --threads 1
 """
@@ -109,7 +111,7 @@ def main() -> None:
     header = f"{'bits':>4} {'q+pack':>8} {'unpack+dq':>10} {'dq(out=)':>9}"
     if not args.no_naive:
         header += f" {'naive q':>8} {'naive dq':>9} {'speedup q/dq':>13}"
-    header += f" {'bytes/row':>9}"
+    header += f" {'bytes/row':>9} {'vs fp32':>8}"
     print(header)
     for bits in args.bits:
         q = quantize(x, bits, gen)
@@ -122,7 +124,7 @@ def main() -> None:
             n_q = rate(lambda bits=bits: naive_quantize(x, bits, gen))
             n_dq = rate(lambda bits=bits, p=packed, a=mn, b=rng: naive_dequantize(p, a, b, bits, args.cols))
             line += f" {n_q:8.2f} {n_dq:9.2f} {r_q / n_q:6.1f}x/{r_dq / n_dq:4.1f}x"
-        line += f" {q.buffer.shape[1]:9d}"
+        line += f" {q.buffer.shape[1]:9d} {4 * args.cols / q.buffer.shape[1]:7.1f}x"
         print(line, flush=True)
 
 

@@ -505,15 +505,16 @@ def run_config(args: argparse.Namespace, cfg: dict[str, Any], run_root: Path, in
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    from bench_modes import base_mode
+    from bench_modes import VARIANT_SETTINGS, base_mode, unbound
+    from bench_report import COOLDOWN_EPOCHS
 
     strategy_kwargs: dict[str, Any] = {"seed": args.seed}
-    if base_mode(mode) == "adaqp":
-        strategy_kwargs.update(assign_every=args.assign_every, link_costs=args.link_costs)
+    if base_mode(mode) == "adaqp" or VARIANT_SETTINGS[unbound(mode)].get("bits") == "adaptive":
+        strategy_kwargs.update(first_assign=args.assign_every, assign_every=args.assign_every, link_costs=args.link_costs)
     if base_mode(mode) == "sylvie":
         strategy_kwargs.update(staleness=args.staleness)
     spec = {
-        "mode": mode, "ranks": ranks, "epochs": warmup + epochs, "warmup": warmup, "conv": args.conv,
+        "mode": mode, "ranks": ranks, "epochs": warmup + epochs + COOLDOWN_EPOCHS, "warmup": warmup, "conv": args.conv,
         "hidden": args.hidden, "layers": args.layers, "in_channels": graph["features"],
         "num_classes": graph["classes"], "partition_folder": graph["partitions"][part_key(ranks, cfg["balance"])]["folder"],
         "strategy_kwargs": strategy_kwargs, "test": cfg["test"], "seed": args.seed, "threads": 1,
@@ -554,13 +555,13 @@ def run_config(args: argparse.Namespace, cfg: dict[str, Any], run_root: Path, in
         if not args.keep_going:
             raise SystemExit(f"configuration {tag} failed ({why}); last lines of {run_dir / 'log.txt'}:\n" + "\n".join(tail))
         return record
-    from bench_report import summarize
+    from bench_report import COOLDOWN_EPOCHS, summarize
 
     result = json.loads(result_path.read_text())
     record["test_acc"] = result.get("test_acc")
     record["fit_wall_s"] = result.get("fit_wall")
     record["logged_last_epoch"] = {k: v for k, v in result.get("logged_last_epoch", {}).items() if k.startswith("comm/")}
-    record["summary"] = summarize(result, warmup)
+    record["summary"] = summarize(result, warmup, COOLDOWN_EPOCHS)
     record["_result"] = result  # merged with repeats, then dropped
     record["ranks_detail"] = [{"rank": r["rank"], "memory": r["memory"], "partition": r["partition"],
                                "strategy": r.get("strategy")} for r in result["ranks"]]
@@ -569,7 +570,7 @@ def run_config(args: argparse.Namespace, cfg: dict[str, Any], run_root: Path, in
 
 def merge_repeats(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One record per configuration: repeats pooled (their measured epochs together)."""
-    from bench_report import summarize
+    from bench_report import COOLDOWN_EPOCHS, summarize
 
     merged: dict[tuple, list[dict[str, Any]]] = {}
     for rec in runs:
@@ -585,7 +586,7 @@ def merge_repeats(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             rec["tc"] = [r.get("tc") for r in recs]
             rec["run_dir"] = [r["run_dir"] for r in recs]
             if ok:
-                rec["summary"] = summarize([r["_result"] for r in ok], rec["warmup"])
+                rec["summary"] = summarize([r["_result"] for r in ok], rec["warmup"], COOLDOWN_EPOCHS)
                 accs = [r["test_acc"] for r in ok if r.get("test_acc") is not None]
                 rec["test_acc"] = statistics.fmean(accs) if accs else None
             errors = [r["error"] for r in recs if r.get("error")]

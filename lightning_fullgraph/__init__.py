@@ -8,6 +8,7 @@ with Lightning's strategy registry, so that ``Trainer(strategy="fullgraph_quant"
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_fullgraph.comm.exchange import CommStats, HaloExchanger
+from lightning_fullgraph.comm.policy import AdaQPPolicy, CompressionPolicy, ExactPolicy, SylviePolicy
 from lightning_fullgraph.datamodule import FullGraphDataModule
 from lightning_fullgraph.nn.adapters import UnsupportedConvError, register_conv_adapter, supported_convs
 from lightning_fullgraph.partition.plan import HaloPlan, LocalPartition
@@ -17,12 +18,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MODES",
+    "AdaQPPolicy",
     "CommStats",
+    "CompressionPolicy",
+    "ExactPolicy",
     "FullGraphDataModule",
     "FullGraphStrategy",
     "HaloExchanger",
     "HaloPlan",
     "LocalPartition",
+    "SylviePolicy",
     "UnsupportedConvError",
     "__version__",
     "register_conv_adapter",
@@ -31,12 +36,21 @@ __all__ = [
 
 
 def _register() -> None:
+    # Lightning resolves strategy names through its registry; only our own names are added.
     entries = {
         "fullgraph_quant": (
-            "Full-graph training over graph partitions, AdaQP-quantized halo messages",
+            "Full-graph training over graph partitions, quantized halo messages (AdaQP unless mode= says otherwise)",
             {"mode": "adaqp"},
         ),
         "fullgraph_exact": ("Full-graph training over graph partitions, exact fp32 halo exchange", {"mode": "exact"}),
+        "fullgraph_adaqp": (
+            "Full-graph training over graph partitions, AdaQP: adaptive stochastic 2/4/8-bit messages",
+            {"mode": "adaqp"},
+        ),
+        "fullgraph_sylvie": (
+            "Full-graph training over graph partitions, Sylvie: one-bit messages, bounded-staleness pipeline",
+            {"mode": "sylvie"},
+        ),
     }
     for name, (description, params) in entries.items():
         if name not in StrategyRegistry:

@@ -40,6 +40,7 @@ import math
 import os
 import shutil
 import stat
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -458,25 +459,59 @@ def _file_lock(cache_dir: Path, key: str) -> Iterator[None]:
         handle.close()
 
 
-@contextlib.contextmanager
-def _torch_load_full_pickle() -> Iterator[None]:
-    """Make ``torch.load`` default to ``weights_only=False`` inside the block.
+# Serialises in-process OGB loads: torch's allowlist below is one process-wide set, and a
+# second block's exit would otherwise drop entries a concurrent block still needs.
+_OGB_ALLOWLIST_LOCK = threading.Lock()
 
-    OGB (<= 1.3.6) calls ``torch.load`` on its own processed files (pickled
-    ``Data`` objects), which torch >= 2.6 refuses by default.  Only the files
-    the OGB loader itself wrote or downloaded are read this way.
+
+def _ogb_pickle_globals() -> list[Any]:
+    """The globals OGB's processed node-property files pickle beyond tensors and containers.
+
+    ``PygNodePropPredDataset`` saves ``InMemoryDataset.collate([data])`` -- a PyG ``Data`` (with
+    its ``GlobalStorage`` and the ``DataEdgeAttr``/``DataTensorAttr`` attribute classes) and
+    ``slices`` -- and reads it back with a bare ``torch.load(path)``.  Where ``num_nodes`` comes
+    from a numpy array (the binary ``.npz`` datasets, e.g. ogbn-papers100M), ``Data`` holds a
+    numpy integer scalar: ``numpy.core.multiarray.scalar`` with an int32/int64 ``numpy.dtype``.
     """
-    original = torch.load
+    import importlib
 
-    def load(*args: Any, **kwargs: Any) -> Any:
-        kwargs.setdefault("weights_only", False)
-        return original(*args, **kwargs)
+    import numpy as np
+    from torch_geometric.data.storage import GlobalStorage
 
-    torch.load = load  # type: ignore[assignment]
+    found: list[Any] = [Data, GlobalStorage]
+    with contextlib.suppress(ImportError):  # absent from older PyG releases
+        from torch_geometric.data.data import DataEdgeAttr, DataTensorAttr
+
+        found += [DataEdgeAttr, DataTensorAttr]
     try:
+        multiarray = importlib.import_module("numpy._core.multiarray")  # numpy >= 2
+    except ImportError:  # pragma: no cover - numpy 1
+        multiarray = importlib.import_module("numpy.core.multiarray")
+    found += [np.dtype, multiarray.scalar, (multiarray.scalar, "numpy.core.multiarray.scalar")]
+    found += [type(np.dtype(t)) for t in (np.int32, np.int64)]
+    return found
+
+
+@contextlib.contextmanager
+def _ogb_pickle_allowlist() -> Iterator[None]:
+    """Let ``torch.load``'s default (``weights_only=True``) unpickler read OGB's processed files.
+
+    OGB (<= 1.3.6) calls ``torch.load`` on its own processed files (pickled ``Data`` objects),
+    which torch >= 2.6 refuses by default.  Inside the block the few PyG/numpy classes those
+    files contain (:func:`_ogb_pickle_globals`) are added to torch's ``weights_only`` allowlist
+    with ``torch.serialization.safe_globals``; ``torch.load`` itself is not replaced, loading
+    stays restricted (anything else in a file is still refused), and only the entries that
+    were not allowlisted already (PyG registers ``Data`` itself) are added and removed again.
+    The allowlist is process-wide while the block runs; blocks are serialised by a lock.
+    """
+    safe_globals = getattr(torch.serialization, "safe_globals", None)
+    if safe_globals is None:  # pragma: no cover - torch < 2.5: torch.load defaults to full pickle
         yield
-    finally:
-        torch.load = original  # type: ignore[assignment]
+        return
+    with _OGB_ALLOWLIST_LOCK:
+        registered = set(torch.serialization.get_safe_globals())
+        with safe_globals([g for g in _ogb_pickle_globals() if g not in registered]):
+            yield
 
 
 def _instantiate(spec: _Spec, root: str, planetoid_split: str) -> tuple[Data, dict[str, Tensor] | None]:
@@ -508,7 +543,7 @@ def _instantiate(spec: _Spec, root: str, planetoid_split: str) -> tuple[Data, di
     if spec.family == "ogb":
         from ogb.nodeproppred import PygNodePropPredDataset
 
-        with _torch_load_full_pickle():
+        with _ogb_pickle_allowlist():
             dataset = PygNodePropPredDataset(spec.name, root)
             split = dataset.get_idx_split()
             return dataset[0], split

@@ -20,8 +20,6 @@ would interleave with halo traffic issued from autograd.
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -29,7 +27,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -40,6 +37,8 @@ from typing_extensions import override
 
 from lightning_fullgraph._warnings import ScopedWarningFilter
 from lightning_fullgraph.comm.exchange import HaloExchanger
+from lightning_fullgraph.comm.policy import CompressionPolicy, PolicyEnv, make_policy
+from lightning_fullgraph.metrics import CommMetricsLogger
 from lightning_fullgraph.nn.adapters import HaloContext, install_adapters, uninstall_adapters
 
 if TYPE_CHECKING:
@@ -51,11 +50,17 @@ log = logging.getLogger(__name__)
 
 
 MODES = ("exact", "adaqp", "sylvie")
+#: Key of the policies' state in a Lightning checkpoint.
+CHECKPOINT_KEY = "fullgraph_policy"
 LOSS_WEIGHTINGS = ("train_mask", "mean", "sum")
 
 
 class FullGraphStrategy(DDPStrategy):
     """Distributed full-graph training with halo exchange between partitions.
+
+    What the halo messages carry is decided by a compression policy
+    (:mod:`~lightning_fullgraph.comm.policy`), built from ``mode`` and the settings that apply
+    to it, or passed in ready-made as ``policy``.
 
     Args:
         mode: ``"exact"`` (fp32 messages, synchronous: identical to single-process training
@@ -63,36 +68,39 @@ class FullGraphStrategy(DDPStrategy):
             gradients) travel stochastically quantized, unbiased, at bit-widths assigned
             adaptively (AdaQP); evaluation exchanges stay fp32. ``"sylvie"``: one-bit messages
             (``bits`` can raise it) over an asynchronous pipeline: layers consume the halo rows
-            and gradients sent one epoch earlier while this epoch's travel in the background;
-            every ``staleness``-th epoch is synchronous.
-        bits: ``"adaptive"`` (adaqp default: uniform 8 bits until the first assignment, then
-            AdaQP's MILP every ``assign_every`` epochs) or a fixed 1/2/4/8 (sylvie default 1;
-            32 sends fp32 through the sylvie pipeline). Must be ``None`` in exact mode.
-        staleness: Sylvie's bound ``eps >= 1``: every ``eps``-th epoch is synchronous, so no
-            halo value or gradient used is more than ``eps - 1`` epochs old.
+            and gradients received one epoch earlier while this epoch's travel in the
+            background; every ``staleness``-th epoch is synchronous.
+        policy: A ready :class:`~lightning_fullgraph.comm.policy.CompressionPolicy` (then
+            ``mode`` and the policy settings below must be left unset).
+        bits: ``"adaptive"`` (adaqp default: 8 bits until epoch ``first_assign``, then AdaQP's
+            MILP every ``assign_every`` epochs; with sylvie: the same assignment inside the
+            pipeline) or a fixed 1/2/4/8 (sylvie default 1; 32 sends fp32 through the sylvie
+            pipeline). Not allowed in exact mode.
+        staleness: Sylvie's bound ``eps >= 1`` (default 5): every ``eps``-th epoch is
+            synchronous, so at most ``eps - 1`` consecutive epochs use one-epoch-old values.
         smoothing: PipeGCN momentum ``gamma`` for stale values (sylvie; ``None``: off).
         smooth: ``"features"``, ``"gradients"`` or ``"both"`` (what smoothing applies to).
-        epoch_adaptive: Sylvie's epoch-adaptive rule: when the global training loss stalls
-            (improves by less than ``adaptive_tolerance`` relative), double the bits (up to 8)
-            and go synchronous; when it improves, halve them (down to 1) and go asynchronous.
+        epoch_adaptive: Sylvie's epoch-adaptive rule on the global training loss (see
+            :class:`~lightning_fullgraph.comm.policy.SylviePolicy`).
         adaptive_tolerance: Relative loss improvement below which the loss counts as stalled.
+        assign_every: Epochs between bit-width re-assignments (adaptive bits).
+        first_assign: Epoch of the first assignment (adaptive bits; default 5).
+        lambda_: Weight of variance against time in the assignment objective, in [0, 1].
+        group_size: Rows per group sharing one bit-width in the assignment.
+        link_costs: ``"measure"`` (adaptive bits: time sends on every link at setup) or
+            ``"uniform"`` (the same nominal 1 GB/s, 100 us link everywhere: reproducible
+            assignments, e.g. for tests).
+        seed: Seed of the stochastic rounding (rank ``r`` uses ``seed + r``).
         check_finite: Check every conv output and the loss for NaN/inf and stop with an error
             naming the rank and the layer (one reduction per layer; off saves it).
         compute_only: Benchmark bound: run this mode's own compute path (overlap split,
             quantize/dequantize, pipeline bookkeeping) with every halo collective skipped
             (received halo rows are zeros, so results are WRONG); measures what the mode costs
             without communication, the limit its transfers can approach.
-        link_costs: ``"measure"`` (adaptive adaqp: time sends on every link at setup) or
-            ``"uniform"`` (the same nominal 1 GB/s, 100 us link everywhere: reproducible
-            assignments, e.g. for tests).
-        assign_every: Epochs between bit-width re-assignments (adaptive).
-        lambda_: Weight of variance against time in the assignment objective, in [0, 1].
-        group_size: Rows per group sharing one bit-width in the assignment.
-        seed: Seed of the stochastic rounding (rank ``r`` uses ``seed + r``).
         overlap: Central/marginal overlap: owned nodes without a remote in-neighbour are
             aggregated while the halo exchange is in flight (forward; in backward the halo
             gradients travel while the central part's backward runs). Exact. Default: on in
-            adaqp mode, off in exact mode. Applies to GCN, SAGE, GIN and GraphConv layers
+            adaqp mode, off otherwise. Applies to GCN, SAGE, GIN and GraphConv layers
             (GAT layers always run synchronously).
         sparse_aggregation: Aggregate through cached CSR adjacencies of the local graph
             (PyG's fused ``message_and_aggregate`` path, ``torch.sparse.mm``) for GCN, SAGE,
@@ -110,25 +118,33 @@ class FullGraphStrategy(DDPStrategy):
         process_group_backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA); inferred by default.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (accelerator,
             parallel_devices, cluster_environment, checkpoint_io, precision_plugin).
+
+    A rank that owns no training node contributes a loss of exactly 0 (weight ``n_r / n =
+    0``), still exchanges rows and gradients, and counts 0 in the global loss the
+    epoch-adaptive rule reads.
     """
 
     strategy_name = "fullgraph_quant"
+    #: Marks a strategy that trains on graph partitions (checked by the datamodule).
+    trains_on_partitions = True
 
     def __init__(
         self,
-        mode: Literal["exact", "adaqp", "sylvie"] = "exact",
+        mode: Literal["exact", "adaqp", "sylvie"] | None = None,
+        policy: CompressionPolicy | None = None,
         bits: int | str | None = None,
-        assign_every: int = 50,
-        lambda_: float = 0.5,
-        group_size: int = 100,
-        seed: int = 0,
-        overlap: bool | None = None,
-        staleness: int = 5,
+        staleness: int | None = None,
         smoothing: float | None = None,
-        smooth: Literal["features", "gradients", "both"] = "both",
-        epoch_adaptive: bool = False,
-        adaptive_tolerance: float = 1e-3,
-        link_costs: Literal["measure", "uniform"] = "measure",
+        smooth: Literal["features", "gradients", "both"] | None = None,
+        epoch_adaptive: bool | None = None,
+        adaptive_tolerance: float | None = None,
+        assign_every: int | None = None,
+        first_assign: int | None = None,
+        lambda_: float | None = None,
+        group_size: int | None = None,
+        link_costs: Literal["measure", "uniform"] | None = None,
+        seed: int | None = None,
+        overlap: bool | None = None,
         compute_only: bool = False,
         check_finite: bool = True,
         sparse_aggregation: bool = True,
@@ -139,26 +155,26 @@ class FullGraphStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         **kwargs: Any,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"FullGraphStrategy(mode={mode!r}) is not a mode; choose one of {MODES}")
-        if mode == "sylvie":
-            bits = 1 if bits is None else bits
-            if bits not in (1, 2, 4, 8, 32):
-                raise ValueError(f"bits={bits!r}; sylvie mode takes 1, 2, 4, 8 or 32")
-            if staleness < 1:
-                raise ValueError(f"staleness must be >= 1, got {staleness}")
-            if smoothing is not None and not 0.0 <= smoothing < 1.0:
-                raise ValueError(f"smoothing must lie in [0, 1), got {smoothing}")
-        if mode == "exact" and bits is not None:
-            raise ValueError("mode='exact' sends fp32; drop `bits` or use mode='adaqp'")
-        if mode == "adaqp":
-            bits = "adaptive" if bits is None else bits
-            if bits != "adaptive" and bits not in (1, 2, 4, 8):
-                raise ValueError(f"bits={bits!r}; use 'adaptive' or one of 1, 2, 4, 8")
-        if assign_every < 1 or group_size < 1:
-            raise ValueError("assign_every and group_size must be >= 1")
-        if not 0.0 <= lambda_ <= 1.0:
-            raise ValueError(f"lambda_ must lie in [0, 1], got {lambda_}")
+        settings = {
+            "bits": bits, "staleness": staleness, "smoothing": smoothing, "smooth": smooth,
+            "epoch_adaptive": epoch_adaptive, "adaptive_tolerance": adaptive_tolerance,
+            "assign_every": assign_every, "first_assign": first_assign, "lambda_": lambda_,
+            "group_size": group_size, "link_costs": link_costs, "seed": seed,
+        }
+        if policy is not None:
+            given = sorted(k for k, v in settings.items() if v is not None)
+            if given or (mode is not None and mode != policy.name):
+                raise ValueError(
+                    f"FullGraphStrategy(policy={policy!r}) carries its own settings; drop "
+                    f"{given or ['mode=' + repr(mode)]} or configure them on the policy"
+                )
+        else:
+            mode = "exact" if mode is None else mode
+            if mode not in MODES:
+                raise ValueError(f"FullGraphStrategy(mode={mode!r}) is not a mode; choose one of {MODES}")
+            if mode == "exact" and bits is not None:
+                raise ValueError("mode='exact' sends fp32; drop `bits` or use mode='adaqp'")
+            policy = make_policy(mode, **settings)
         if loss_weighting not in LOSS_WEIGHTINGS:
             raise ValueError(f"loss_weighting={loss_weighting!r}; choose one of {LOSS_WEIGHTINGS}")
         ddp_only = {"find_unused_parameters", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb"}
@@ -170,43 +186,44 @@ class FullGraphStrategy(DDPStrategy):
         super().__init__(
             timeout=timeout, start_method=start_method, process_group_backend=process_group_backend, **kwargs
         )
-        self.mode = mode
-        self.bits = bits
-        self.assign_every = assign_every
-        self.lambda_ = lambda_
-        self.group_size = group_size
-        self.seed = seed
-        self.overlap = (mode == "adaqp") if overlap is None else bool(overlap)
-        self.staleness = staleness
-        self.smoothing = smoothing
-        self.smooth = smooth
-        self.epoch_adaptive = epoch_adaptive
-        self.adaptive_tolerance = adaptive_tolerance
-        if link_costs not in ("measure", "uniform"):
-            raise ValueError(f"link_costs={link_costs!r}; choose 'measure' or 'uniform'")
-        self.link_cost_source = link_costs
+        self.policy: CompressionPolicy = policy
+        self.overlap = (policy.name == "adaqp") if overlap is None else bool(overlap)
         self.compute_only = compute_only
         self.check_finite = check_finite
         self.sparse_aggregation = bool(sparse_aggregation)
-        self._failed = False
-        self._step_loss: Tensor | None = None
-        self._last_loss: float | None = None
-        self._pending_state: dict[str, Any] | None = None
-        self._link_costs: dict | None = None
-        self._send_weights: Tensor | None = None
         self.loss_weighting = loss_weighting
         self.mask_key = mask_key
+        self._failed = False
+        self._step_loss: Tensor | None = None
+        self._pending_state: dict[str, Any] | None = None
         self._halo_group: Any = None
         self._exchanger: HaloExchanger | None = None
         self._ctx: HaloContext | None = None
-        self._patched: list = []
+        self._adapters: Any = None
         self._loss_scale: float = 1.0
         self._partition: LocalPartition | None = None
-        self._comm_callback = _CommMetricsLogger(self)
+        self._in_step = False
+        #: Figures of the last training step's policy decisions (assignment time, global
+        #: loss...), read by the metrics callback.
+        self.step_figures: dict[str, float] = {}
+        self._comm_callback = CommMetricsLogger()
         # The comm/* figures are summed over ranks with one all-reduce before logging;
         # Lightning's advice to pass sync_dist=True (one all-reduce per metric) does not apply
         # to them. Lightning warns at epoch end, so the filter spans setup..teardown.
         self._comm_warning = ScopedWarningFilter(r".*self\.log\('comm/.*sync_dist=True")
+
+    @property
+    def mode(self) -> str:
+        """The policy's method: ``"exact"``, ``"adaqp"`` or ``"sylvie"``."""
+        return self.policy.name
+
+    @property
+    def bits(self) -> int | str | None:
+        return getattr(self.policy, "bits", None)
+
+    @property
+    def staleness(self) -> int | None:
+        return getattr(self.policy, "staleness", None)
 
     # -- lifecycle ------------------------------------------------------------------------
     @property
@@ -244,39 +261,35 @@ class FullGraphStrategy(DDPStrategy):
         self._partition = partition
         datamodule.move_to(self.root_device)
         plan = partition.plan.to(self.root_device)
-        generator = torch.Generator(device=self.root_device).manual_seed(self.seed + self.global_rank)
-        uniform_bits = None if self.bits is None else (8 if self.bits == "adaptive" else int(self.bits))
-        self._exchanger = HaloExchanger(plan, group=self._halo_group, bits=uniform_bits, generator=generator)
+        self._exchanger = HaloExchanger(plan, group=self._halo_group, policy=self.policy)
         self._exchanger.skip_transfers = self.compute_only
         for key in partition.data.keys():
             value = partition.data[key]
             if isinstance(value, Tensor) and value.dim() > 0 and value.size(0) == plan.num_owned:
                 self._exchanger.register_static(value)
-        if self.mode == "sylvie":
-            from lightning_fullgraph.comm.staleness import StalenessState
-
-            self._exchanger.staleness = StalenessState(self.staleness, self.smoothing, self.smooth)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        max_epochs = trainer.max_epochs if fitting else None
+        self.policy.setup(
+            PolicyEnv(
+                plan=plan,
+                group=self._halo_group,
+                device=self.root_device,
+                control=self._exchanger.transport.control,
+                fitting=fitting,
+                final_epoch=max_epochs - 1 if max_epochs is not None and max_epochs >= 0 else None,
+            )
+        )
+        if self._pending_state is not None:
+            self._restore_policy_state(self._pending_state)
         self._ctx = HaloContext(
             self._exchanger, overlap=self.overlap, check_finite=self.check_finite, sparse=self.sparse_aggregation
         )
-        if self.bits == "adaptive" and trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
-            from lightning_fullgraph.comm.adaptive import measure_link_costs, receiver_weights
-
-            if self.link_cost_source == "uniform":
-                from lightning_fullgraph.comm.assign import LinkCost
-
-                w = self.world_size
-                self._link_costs = {
-                    (a, b): LinkCost(1e-9, 1e-4) for a in range(w) for b in range(w) if a != b
-                }
-            else:
-                self._link_costs = measure_link_costs(self._halo_group, self.global_rank, self.world_size)
-            self._send_weights = receiver_weights(self._exchanger, partition.data.edge_index)
         assert self.lightning_module is not None
-        uninstall_adapters(self._patched)
-        self._patched = install_adapters(self.lightning_module, self._ctx)
+        if self._adapters is not None:
+            uninstall_adapters(self._adapters)
+        self._adapters = install_adapters(self.lightning_module, self._ctx)
         _warn_non_exact_layers(self.lightning_module)
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             self._loss_scale = self._compute_loss_scale(partition)
         self._comm_warning.install()
         if self._comm_callback not in trainer.callbacks:
@@ -307,17 +320,36 @@ class FullGraphStrategy(DDPStrategy):
         _sync_module_states(self.model)
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        exchanger = self._exchanger
+        if exchanger is not None:
+            assert self.lightning_module is not None
+            exchanger.stats.reset()
+            self._step_loss = None
+            epoch = self.lightning_module.current_epoch
+            # the policy's decisions for this epoch (may be collective: every rank is here)
+            self.step_figures = dict(self.policy.on_train_epoch_start(epoch))
+            exchanger.begin_step(training=True)
+            self._in_step = True
+        return super().training_step(*args, **kwargs)
+
+    @override
     def backward(
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Tensor:
-        if self.check_finite and self._loss_scale != 0 and not bool(torch.isfinite(closure_loss).all()):
-            # (a rank without training nodes may return the NaN mean of nothing: scaled by 0)
-            raise FloatingPointError(
-                f"rank {self.global_rank}: the training loss is {float(closure_loss)} at epoch "
-                f"{self.lightning_module.current_epoch if self.lightning_module else '?'}; every layer "
-                "output was finite, so the loss computation itself produced it"
-            )
-        scaled = closure_loss * self._loss_scale
+        if self._loss_scale == 0:
+            # A rank without training nodes: its share of the global loss is exactly 0 (its
+            # mean over no node may be NaN, and NaN * 0 is NaN); backward still runs, so it
+            # keeps sending halo gradients (zeros of its own loss, others' contributions).
+            scaled = closure_loss.nan_to_num(0.0) * 0.0
+        else:
+            if self.check_finite and not bool(torch.isfinite(closure_loss).all()):
+                raise FloatingPointError(
+                    f"rank {self.global_rank}: the training loss is {float(closure_loss)} at epoch "
+                    f"{self.lightning_module.current_epoch if self.lightning_module else '?'}; every layer "
+                    "output was finite, so the loss computation itself produced it"
+                )
+            scaled = closure_loss * self._loss_scale
         self._step_loss = scaled.detach()
         super().backward(scaled, optimizer, *args, **kwargs)
         return closure_loss
@@ -326,6 +358,17 @@ class FullGraphStrategy(DDPStrategy):
     def post_backward(self, closure_loss: Tensor) -> None:
         if self.world_size > 1:
             self._all_reduce_gradients()
+        if self._exchanger is not None and self._in_step:
+            self._in_step = False
+            self._exchanger.begin_step(training=False)
+            assert self.lightning_module is not None
+            loss = None
+            if self.policy.needs_global_loss and self._step_loss is not None:
+                total = self._step_loss.reshape(1).to(self.root_device, torch.float64)
+                if self.world_size > 1:
+                    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+                loss = float(total)
+            self.step_figures.update(self.policy.on_train_epoch_end(self.lightning_module.current_epoch, loss))
 
     def _all_reduce_gradients(self) -> None:
         assert self.lightning_module is not None
@@ -405,13 +448,10 @@ class FullGraphStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._exchanger is not None and self._exchanger.staleness is not None:
-            if self._failed:
-                self._exchanger.staleness.abandon()  # a peer may be gone: never wait
-            else:
-                self._exchanger.staleness.drain()
-        uninstall_adapters(self._patched)
-        self._patched = []
+        self.policy.teardown(failed=self._failed)
+        if self._adapters is not None:
+            uninstall_adapters(self._adapters)
+            self._adapters = None
         if self._exchanger is not None:
             self._exchanger.clear_cache()
         self._comm_warning.remove()
@@ -430,99 +470,41 @@ class FullGraphStrategy(DDPStrategy):
                 "does not depend on the model output on some rank skips its backward exchanges.",
             ) + tuple(exception.args[1:])
 
-    def _maybe_assign_bits(self, epoch: int) -> dict[str, float] | None:
-        """Re-assigns bit-widths every ``assign_every`` epochs (adaptive adaqp; collective)."""
-        exchanger = self._exchanger
-        if (
-            self.bits != "adaptive"
-            or exchanger is None
-            or self._link_costs is None
-            or self._send_weights is None
-            or epoch == 0
-            or epoch % self.assign_every
-            or not exchanger.row_range
-        ):
-            return None
-        from lightning_fullgraph.comm.adaptive import assign_layer_bits
-
-        return assign_layer_bits(
-            exchanger,
-            self._halo_group,
-            self._link_costs,
-            self._send_weights,
-            exchanger.layer_dims,
-            lambda_=self.lambda_,
-            group_size=self.group_size,
-        )
+    # -- checkpointing --------------------------------------------------------------------
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        # Called on every rank (only rank 0 writes): gather every rank's policy state into it.
+        # Draining the pipeline here only waits earlier for blocks training would wait for
+        # anyway; what training sees does not change (comm/staleness.py).
+        if self._exchanger is not None:
+            state = self.policy.state_dict()
+            state["rank"] = self.global_rank
+            if self.world_size > 1 and dist.is_initialized():
+                gathered: list[Any] = [None] * self.world_size
+                dist.all_gather_object(gathered, state)
+            else:
+                gathered = [state]
+            checkpoint[CHECKPOINT_KEY] = {"world_size": self.world_size, "ranks": gathered}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        super().load_model_state_dict(checkpoint, strict=strict)
-        # Runs before setup, when our callback is not attached yet: restore its state here.
-        state = checkpoint.get("callbacks", {}).get(self._comm_callback.state_key)
-        if state:
-            self._comm_callback.load_state_dict(state)
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        entry = checkpoint.get(CHECKPOINT_KEY)
+        if entry:
+            ranks = entry.get("ranks", [])
+            mine = ranks[self.global_rank] if self.global_rank < len(ranks) else None
+            if mine:
+                if self._exchanger is None:
+                    self._pending_state = mine  # restored in setup, after the policy's
+                else:
+                    self._restore_policy_state(mine)
+        return checkpoint
 
-    def _epoch_adaptive_update(self) -> dict[str, float]:
-        """Sylvie's epoch-adaptive rule, on the global loss (identical on every rank)."""
-        exchanger = self._exchanger
-        if not (self.epoch_adaptive and exchanger is not None and exchanger.staleness is not None):
-            return {}
-        if self._step_loss is None:
-            return {}
-        loss = self._step_loss.clone().reshape(1).to(self.root_device, torch.float64)
-        if self.world_size > 1:
-            dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-        value = float(loss)
-        previous, self._last_loss = self._last_loss, value
-        if previous is not None and exchanger.bits in (1, 2, 4, 8):
-            stalled = previous - value < self.adaptive_tolerance * abs(previous)
-            exchanger.bits = min(8, exchanger.bits * 2) if stalled else max(1, exchanger.bits // 2)
-            exchanger.staleness.force_sync = stalled
-        return {"comm/global_loss": value}
-
-    def pipeline_state(self) -> dict[str, Any]:
-        """This rank's compression state: rounding RNG, bit-widths, stale buffers."""
-        ex = self._exchanger
-        if ex is None:
-            return {}
-        return {
-            "rank": self.global_rank,
-            "generator": ex.generator.get_state() if ex.generator is not None else None,
-            "bits": ex.bits,
-            "layer_bits": {k: (a.cpu(), b.cpu()) for k, (a, b) in ex.layer_bits.items()},
-            "row_range": {k: v.cpu() for k, v in ex.row_range.items()},
-            "layer_dims": dict(ex.layer_dims),
-            "staleness": ex.staleness.state_dict() if ex.staleness is not None else None,
-            "last_loss": self._last_loss,
-            "link_costs": None
-            if self._link_costs is None
-            else {k: (c.alpha, c.beta) for k, c in self._link_costs.items()},
-        }
-
-    def load_pipeline_state(self, state: dict[str, Any]) -> None:
-        """Restores :meth:`pipeline_state` (now, or at the first step if not set up yet)."""
-        ex = self._exchanger
-        if ex is None:
-            self._pending_state = state
-            return
-        device = self.root_device
-        if state.get("generator") is not None and ex.generator is not None:
-            ex.generator.set_state(state["generator"])
-        ex.bits = state.get("bits", ex.bits)
-        ex.layer_bits = {
-            int(k): (a.to(device), b.to(device)) for k, (a, b) in state.get("layer_bits", {}).items()
-        }
-        ex.row_range = {int(k): v.to(device) for k, v in state.get("row_range", {}).items()}
-        ex.layer_dims = {int(k): int(v) for k, v in state.get("layer_dims", {}).items()}
-        if state.get("staleness") is not None and ex.staleness is not None:
-            ex.staleness.load_state_dict(state["staleness"], device)
-        self._last_loss = state.get("last_loss")
-        if state.get("link_costs") is not None and self._link_costs is not None:
-            from lightning_fullgraph.comm.assign import LinkCost
-
-            # the assignment must see the links the interrupted run measured
-            self._link_costs = {tuple(k): LinkCost(*ab) for k, ab in state["link_costs"].items()}
+    def _restore_policy_state(self, state: dict[str, Any]) -> None:
+        self.policy.load_state_dict(state)
         self._pending_state = None
 
     # -- introspection --------------------------------------------------------------------
@@ -565,94 +547,3 @@ def _warn_non_exact_layers(module: torch.nn.Module) -> None:
             "Use per-node normalisation (torch.nn.LayerNorm, or PyG LayerNorm(mode='node')) for "
             "exact results."
         )
-
-
-_PROGRESS_BAR = ("comm/bytes_sent", "comm/bits")
-
-
-class _CommMetricsLogger(Callback):
-    """Logs halo-traffic counters of the training step, summed over ranks, every epoch.
-
-    Metrics (visible in ``trainer.callback_metrics`` and the loggers):
-    ``comm/bytes_sent``, ``comm/bytes_recv`` (bytes on the wire per epoch, all ranks),
-    ``comm/exchanges`` and ``comm/wait_time`` (seconds blocked in collectives, summed).
-    """
-
-    def __init__(self, strategy: FullGraphStrategy) -> None:
-        self.strategy = strategy
-        self._assign: dict[str, float] | None = None
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        exchanger = self.strategy.exchanger
-        if exchanger is None:
-            return
-        if self.strategy._pending_state is not None:
-            self.strategy.load_pipeline_state(self.strategy._pending_state)
-        exchanger.stats.reset()
-        self._assign = self.strategy._maybe_assign_bits(trainer.current_epoch)
-        exchanger.begin_step(compress=True, epoch=trainer.current_epoch)
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        exchanger = self.strategy.exchanger
-        if exchanger is None:
-            return
-        exchanger.begin_step(compress=False)
-        s = exchanger.stats
-        layers = sorted(k for k in s.layer_values if k >= 0)
-        # one all-reduce for every figure: sums over ranks
-        raw = [s.bytes_sent, s.bytes_recv, s.exchanges, s.wait_time, s.quant_time, s.bits_sent, s.values_sent]
-        raw += [s.layer_bits[k] for k in layers] + [s.layer_values[k] for k in layers]
-        values = torch.tensor(raw, dtype=torch.float64, device=pl_module.device)
-        if self.strategy.world_size > 1:
-            dist.all_reduce(values, op=dist.ReduceOp.SUM)
-        v = values.tolist()
-        figures = {
-            "comm/bytes_sent": v[0],
-            "comm/bytes_recv": v[1],
-            "comm/exchanges": v[2],
-            "comm/wait_time": v[3],
-            "comm/quant_time": v[4],
-            "comm/bits": v[5] / v[6] if v[6] else 0.0,
-        }
-        n = len(layers)
-        for i, k in enumerate(layers):
-            figures[f"comm/bits_layer{k}"] = v[7 + i] / v[7 + n + i] if v[7 + n + i] else 0.0
-        if self._assign:
-            figures["comm/assign_time"] = self._assign["assign_time"]
-            figures["comm/assign_solve_time"] = self._assign["solve_time"]
-        st = exchanger.staleness
-        if st is not None:
-            # the schedule is identical on every rank: these are this rank's (= every rank's)
-            ages = [a for _, _, a in st.ages]
-            figures["comm/staleness_max"] = float(max(ages, default=0))
-            figures["comm/staleness_mean"] = sum(ages) / len(ages) if ages else 0.0
-            figures["comm/sync_epoch"] = float(exchanger._sync)
-        figures.update(self.strategy._epoch_adaptive_update())
-        for name, value in figures.items():
-            if math.isfinite(value):
-                pl_module.log(
-                    name,
-                    value,
-                    on_step=False,
-                    on_epoch=True,
-                    reduce_fx="sum",
-                    batch_size=1,
-                    prog_bar=name in _PROGRESS_BAR,
-                )
-
-    def state_dict(self) -> dict[str, Any]:
-        # Called on every rank when a checkpoint is written (only rank 0's copy is saved), so
-        # gather every rank's pipeline state into it.
-        state = self.strategy.pipeline_state()
-        if self.strategy.world_size > 1 and dist.is_initialized():
-            gathered: list[Any] = [None] * self.strategy.world_size
-            dist.all_gather_object(gathered, state)
-        else:
-            gathered = [state]
-        return {"ranks": gathered}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        ranks = state_dict.get("ranks", [])
-        rank = self.strategy.global_rank
-        if rank < len(ranks) and ranks[rank]:
-            self.strategy.load_pipeline_state(ranks[rank])

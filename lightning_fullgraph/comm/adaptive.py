@@ -1,29 +1,64 @@
-r"""AdaQP's adaptive bit-widths, distributed: measure links, gather variances, solve, share.
+r"""AdaQP's adaptive bit-widths, distributed: measure links, score rows, gather variances, solve.
 
 The pure parts (cost fit, grouping, the MILP) live in :mod:`~lightning_fullgraph.comm.assign`;
-this module runs them across ranks:
+this module runs them across the ``W`` ranks of a process group.  Nothing here knows the halo
+exchanger: small picklable tables travel by ``torch.distributed`` object collectives on
+``group``, rows (scores, bit-widths) by a caller-provided :data:`ControlFn`, an uncompressed
+all-to-all of the caller's transport.
 
-1. :func:`measure_link_costs` (once, at setup): in round :math:`r = 1..W-1` every rank sends
-   to :math:`(s + r) \bmod W` and receives from :math:`(s - r) \bmod W` at once, for a range
-   of message sizes; each sender fits :math:`t = \alpha \cdot bytes + \beta` for its link and
-   the table is all-gathered.
-2. :func:`receiver_weights` (once): the receiver's aggregation score of every halo row,
-   :math:`a_j = \sum_{i: j \to i} 1/d_i` (mean-aggregation weight of the in-edge into owned
-   node :math:`i`), sent back so the sender knows :math:`a^2` of every row it sends.
-3. :func:`assign_layer_bits` (every ``assign_every`` epochs): every rank groups the rows it
-   sends to each peer by weighted variance
-   :math:`c_i = a_i^2 \, F \, (\max_i - \min_i)^2 / 6` (from the last compressed forward),
-   rank 0 gathers all groups, solves one MILP per layer and sender (the sender's rounds are
-   its peers) and broadcasts the bits; a final
-   all-to-all tells every receiver the bit-width of each of its halo rows.
+Notation (one rank, its halo plan): ``send_counts[p]`` = rows this rank owns that rank ``p``
+holds as halo (``S = sum``), ``recv_counts[p]`` = halo rows owned by ``p`` (``H = sum``), both
+in peer-rank order.  A layer ``l`` has two message directions, keyed ``(l, "forward")`` and
+``(l, "backward")``:
 
-Backward messages of a layer reuse the bit-widths of its forward rows (the same rows in the
-opposite direction) — a simplification of the paper, which solves for them separately.
+* forward: this rank sends ``M = S`` feature rows (send counts ``plan.send_counts``) and
+  receives its ``H`` halo rows (``plan.recv_counts``);
+* backward: this rank sends the gradients of its ``M = H`` halo rows back to their owners
+  (send counts ``plan.recv_counts``) and receives ``S`` rows (``plan.send_counts``), which it
+  scatter-adds with coefficient 1.
+
+1. :func:`measure_link_costs` (once, at setup): in round :math:`r = 1..W-1` every rank ``s``
+   sends to :math:`(s + r) \bmod W` and receives from :math:`(s - r) \bmod W` at once, for a
+   range of message sizes (tensors on the caller's device; one untimed warm-up per round);
+   each sender fits :math:`t = \alpha \cdot bytes + \beta` for its link and the table is
+   all-gathered.
+2. :func:`sender_weights` (once per layer, or once if all layers share a score): the receiver's aggregation score :math:`a_j` of every halo
+   row ``j`` (computed by the caller for its conv type, e.g. GCN
+   :math:`\sum_{i: j \to i} d_{out}(j)^{-1/2} d_{in}(i)^{-1/2}` (global degrees), mean aggregation
+   :math:`\sum_{i: j \to i} 1/d_{in}(i)`) is sent home, so every sender knows
+   :math:`w = a^2` of each row it sends forward, ``[S]`` in send order.  Backward rows use
+   :math:`w = 1`.
+3. :func:`assign_message_bits` (every ``assign_every`` epochs), per key (layer, direction), from
+   :class:`MessageStats` (the ``[M]`` row ranges of the last compressed step of that direction,
+   its weights and counts):
+
+   * every rank computes :math:`c_i = w_i \, F \, (\max_i - \min_i)^2 / 6` of each row it sends
+     (quantisation variance at ``b`` bits: :math:`c_i / (2^b - 1)^2`), sorts each peer's rows
+     by ``c`` and chops them into groups of ``group_size`` (:func:`~.assign.group_nodes`);
+   * rank 0 gathers every rank's groups and builds ONE
+     :class:`~.assign.AssignmentProblem` per key over ALL senders: the pair :math:`s \to p`
+     belongs to round :math:`r = (p - s) \bmod W`, the round time is
+     :math:`Z_r = \max_{(s,p) \in r} \alpha_{sp} \cdot bytes_{sp} + \beta_{sp}` with
+     :math:`bytes = \sum_g n_g (\lceil F b_g / 8 \rceil + m)`, ``m`` =
+     :data:`~.quantize.META_NBYTES`, and the objective is
+     :math:`\lambda \, \hat V + (1 - \lambda) \, \hat T`, :math:`T = \sum_r Z_r` (normalised
+     between all-min-bits and all-max-bits); :func:`~.assign.assign_bits` solves it as
+     independent per-round MILPs, one per round that has a group (the separation is exact;
+     each round is solved to HiGHS' relative gap ``1e-3`` within a shared 10 s budget, with
+     a greedy fallback, see :mod:`~.assign`);
+   * rank 0 broadcasts the group bit-widths; each rank expands them to per-row send bits
+     ``[M]`` and obtains, through the control all-to-all, the bit-width of every row it
+     receives in that direction, ``[sum(recv_counts)]``.
+
+   Backward messages are assigned from their own statistics (their own rows, ranges and
+   links), as in the paper; they do not reuse the forward bit-widths.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,33 +73,119 @@ from lightning_fullgraph.comm.assign import (
     group_aggregates,
     group_nodes,
 )
-from lightning_fullgraph.comm.exchange import HaloExchanger
 from lightning_fullgraph.comm.quantize import META_NBYTES
 
-__all__ = ["assign_layer_bits", "measure_link_costs", "receiver_weights"]
+__all__ = [
+    "ControlFn",
+    "MessageStats",
+    "assign_message_bits",
+    "measure_link_costs",
+    "sender_weights",
+]
+
+DIRECTIONS = ("forward", "backward")
+
+#: ``control(rows [sum(send_counts), k], send_counts, recv_counts) -> rows [sum(recv_counts), k]``:
+#: a synchronous, uncompressed all-to-all of rows over the same ranks (collective: every rank
+#: calls it at the same point).  ``send_counts[p]`` rows go to rank ``p``, ``recv_counts[p]``
+#: come from rank ``p``, concatenated in peer-rank order.
+ControlFn = Callable[[Tensor, list[int], list[int]], Tensor]
+
+Key = tuple[int, str]
+_Entry = tuple[int, int, float]  # (peer, rows, variance coefficient) of one group
+
+
+@dataclass
+class MessageStats:
+    """Statistics of one message direction of one layer on this rank (rows in send order).
+
+    Attributes:
+        row_range: ``[M]`` float32, ``max - min`` of every row this rank SENDS in this
+            direction (at the last compressed step).
+        weight: ``[M]`` float32, squared aggregation score of each sent row (forward: from the
+            receiver, :func:`sender_weights`; backward: ones).
+        feature_dim: features per row ``F``.
+        send_counts: rows to each peer, ``[W]`` (forward: ``plan.send_counts``; backward:
+            ``plan.recv_counts``); sums to ``M``.
+        recv_counts: rows from each peer, ``[W]`` (forward: ``plan.recv_counts``; backward:
+            ``plan.send_counts``).
+    """
+
+    row_range: Tensor
+    weight: Tensor
+    feature_dim: int
+    send_counts: list[int]
+    recv_counts: list[int]
+
+
+def _global_rank(group: Any, group_rank: int) -> int:
+    """Global rank of ``group_rank`` in ``group`` (identity for the default group)."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+# --------------------------------------------------------------------------- link costs
 
 
 def measure_link_costs(
-    group: Any, rank: int, world_size: int, sizes: tuple[int, ...] = (1 << 10, 1 << 14, 1 << 17, 1 << 20), repeats: int = 3
+    group: Any,
+    rank: int,
+    world_size: int,
+    device: torch.device | str,
+    sizes: tuple[int, ...] = (1 << 10, 1 << 14, 1 << 17, 1 << 20),
+    repeats: int = 3,
 ) -> dict[tuple[int, int], LinkCost]:
     """Times concurrent sends on every directed link and fits alpha-beta (module docstring).
 
+    Collective over ``group``.  The probe tensors (``uint8``, ``sizes`` bytes) live on
+    ``device`` (NCCL needs CUDA tensors, gloo CPU ones); on CUDA the device is synchronised
+    before starting and after finishing every timed exchange.  Each round starts with one
+    untimed exchange (connection set-up); then every size is timed ``repeats`` times, each
+    after a barrier.
+
+    Args:
+        group: the process group (``None``: default group).
+        rank: this rank in ``group``.
+        world_size: ranks in ``group`` (``W``).
+        device: where the probe tensors live.
+        sizes: message sizes in bytes (at least two distinct ones).
+        repeats: timed exchanges per size.
+
     Returns:
-        ``{(sender, peer): LinkCost}`` for all ordered pairs, identical on every rank.
+        ``{(sender, peer): LinkCost}`` for all ``W (W - 1)`` ordered pairs (group ranks),
+        identical on every rank.
     """
+    device = torch.device(device)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def exchange(send: Tensor, recv: Tensor, to: int, frm: int) -> None:
+        ops = [
+            dist.P2POp(dist.isend, send, _global_rank(group, to), group=group),
+            dist.P2POp(dist.irecv, recv, _global_rank(group, frm), group=group),
+        ]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+
     mine: dict[tuple[int, int], tuple[float, float]] = {}
     for r in range(1, world_size):
         to, frm = (rank + r) % world_size, (rank - r) % world_size
-        xs, ts = [], []
-        for size in sizes:
-            send = torch.zeros(size, dtype=torch.uint8)
-            recv = torch.empty(size, dtype=torch.uint8)
+        xs: list[float] = []
+        ts: list[float] = []
+        for k, size in enumerate(sizes):
+            send = torch.zeros(size, dtype=torch.uint8, device=device)
+            recv = torch.empty(size, dtype=torch.uint8, device=device)
+            if k == 0:  # untimed warm-up: connection / communicator set-up
+                exchange(send, recv, to, frm)
             for _ in range(repeats):
+                sync()
                 dist.barrier(group=group)
                 start = time.perf_counter()
-                ops = [dist.P2POp(dist.isend, send, to, group=group), dist.P2POp(dist.irecv, recv, frm, group=group)]
-                for req in dist.batch_isend_irecv(ops):
-                    req.wait()
+                exchange(send, recv, to, frm)
+                sync()
                 xs.append(float(size))
                 ts.append(time.perf_counter() - start)
         cost = fit_alpha_beta(xs, ts)
@@ -74,104 +195,269 @@ def measure_link_costs(
     return {pair: LinkCost(*ab) for table in gathered for pair, ab in table.items()}
 
 
-def receiver_weights(exchanger: HaloExchanger, edge_index: Tensor) -> Tensor:
-    """Squared aggregation score of every row this rank SENDS, ``[S]`` (send order).
+# --------------------------------------------------------------------------- row weights
 
-    Computed by the receivers from their local graphs and returned through one all-to-all.
+
+def sender_weights(
+    halo_score: Tensor, send_counts: list[int], recv_counts: list[int], control: ControlFn
+) -> Tensor:
+    """Squared receiver-side aggregation score of every row this rank sends forward.
+
+    Collective (one ``control`` call).  The counts are this rank's FORWARD plan counts:
+    ``send_counts = plan.send_counts`` (rows this rank sends to each peer, ``S = sum``) and
+    ``recv_counts = plan.recv_counts`` (halo rows this rank receives from each peer,
+    ``H = sum``).  The halo scores travel the reverse way, back to the rows' owners:
+    ``control(halo_score[:, None], recv_counts, send_counts)``; since the halo block of the
+    receiver is exactly the concatenation, in owner order, of what each owner sends it (in
+    the same row order), the result lines up with this rank's send order.
+
+    Args:
+        halo_score: ``[H]`` aggregation score ``a_j`` of each of this rank's halo rows, in halo
+            order (computed by the caller for its conv type).
+        send_counts: ``plan.send_counts``, ``[W]``.
+        recv_counts: ``plan.recv_counts``, ``[W]``.
+        control: the caller's uncompressed all-to-all (:data:`ControlFn`).
+
+    Returns:
+        ``[S]`` float32 ``a^2`` of every row this rank sends, in send order, on the device
+        ``control`` returns.
+
+    Raises:
+        ValueError: if ``halo_score`` is not ``[sum(recv_counts)]`` or the counts' lengths
+            differ (raised before the collective: every rank's inputs are its own).
     """
-    plan = exchanger.plan
-    src, dst = edge_index[0], edge_index[1]
-    deg = torch.bincount(dst, minlength=plan.num_owned).clamp(min=1).to(torch.float32)
-    score = torch.zeros(plan.num_owned + plan.num_halo, dtype=torch.float32, device=edge_index.device)
-    score.index_add_(0, src, 1.0 / deg[dst])
-    halo_score = score[plan.num_owned :].unsqueeze(1).contiguous()
-    sent = exchanger._all_to_all(halo_score, plan.recv_counts, plan.send_counts)
-    return sent.squeeze(1).pow(2)
+    score = halo_score.detach().reshape(-1)
+    if len(send_counts) != len(recv_counts):
+        raise ValueError(
+            f"send_counts and recv_counts differ in length: {len(send_counts)} vs {len(recv_counts)}"
+        )
+    if score.numel() != sum(recv_counts):
+        raise ValueError(
+            f"halo_score has {score.numel()} rows but recv_counts (the halo rows per owner) sum to "
+            f"{sum(recv_counts)}"
+        )
+    home = control(score.to(torch.float32).unsqueeze(1).contiguous(), list(recv_counts), list(send_counts))
+    if home.numel() != sum(send_counts):
+        raise ValueError(
+            f"control returned {home.numel()} rows, expected sum(send_counts) = {sum(send_counts)}"
+        )
+    return home.reshape(-1).to(torch.float32).pow(2)
 
 
-def assign_layer_bits(
-    exchanger: HaloExchanger,
+# --------------------------------------------------------------------------- assignment
+
+
+def _check_stats(key: Any, stat: Any, world_size: int) -> str | None:
+    """Why ``stat`` is unusable, or ``None``."""
+    if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], int) and key[1] in DIRECTIONS):
+        return f"key {key!r} is not (layer, 'forward' | 'backward')"
+    if len(stat.send_counts) != world_size or len(stat.recv_counts) != world_size:
+        return f"{key}: send_counts / recv_counts must have world_size = {world_size} entries"
+    if any(int(c) < 0 for c in list(stat.send_counts) + list(stat.recv_counts)):
+        return f"{key}: counts must be non-negative"
+    m = sum(int(c) for c in stat.send_counts)
+    if stat.row_range.numel() != m or stat.weight.numel() != m:
+        return (
+            f"{key}: row_range ({stat.row_range.numel()}) and weight ({stat.weight.numel()}) must have "
+            f"sum(send_counts) = {m} rows"
+        )
+    if int(stat.feature_dim) < 0:
+        return f"{key}: feature_dim must be non-negative"
+    return None
+
+
+def _local_groups(stat: MessageStats, group_size: int) -> tuple[list[_Entry], Tensor]:
+    """Groups of one key's sent rows: ``(entries, ids)``.
+
+    ``entries`` lists ``(peer, rows, C_g)`` per group, peers ascending; ``ids`` ``[M]`` int64
+    maps every sent row (send order) to its index in ``entries``.
+    """
+    c = (
+        float(stat.feature_dim)
+        * stat.row_range.detach().to("cpu", torch.float64).reshape(-1).square()
+        / 6.0
+        * stat.weight.detach().to("cpu", torch.float64).reshape(-1)
+    )
+    if not bool(torch.isfinite(c).all()):
+        raise ValueError("non-finite row range or weight")
+    entries: list[_Entry] = []
+    ids = torch.empty(c.numel(), dtype=torch.long)
+    offset = 0
+    for peer, count in enumerate(int(n) for n in stat.send_counts):
+        if count == 0:
+            continue
+        part = c[offset : offset + count]
+        gid = group_nodes(part, group_size)
+        rows, var = group_aggregates(part, gid)
+        ids[offset : offset + count] = gid + len(entries)
+        entries += [(peer, int(n), float(v)) for n, v in zip(rows.tolist(), var.tolist())]
+        offset += count
+    return entries, ids
+
+
+def _solve_keys(
+    tables: list[dict[Key, list[_Entry]]],
+    feature_dims: dict[Key, int],
+    costs: dict[tuple[int, int], LinkCost],
+    world_size: int,
+    lambda_: float,
+    bit_choices: tuple[int, ...],
+) -> tuple[dict[Key, list[list[int]]], dict[str, float]]:
+    """Rank 0's part: one joint problem per key over all senders (pure; no collectives).
+
+    Args:
+        tables: per sender rank, ``{key: [(peer, rows, C_g), ...]}`` (every rank the same keys).
+        feature_dims: ``F`` per key.
+        costs: :class:`LinkCost` per ``(sender, peer)``.
+
+    Returns:
+        ``(bits, figures)``: ``bits[key][s]`` the bit-width of each of sender ``s``'s groups
+        (its entries' order); figures ``solve_time`` and the row-weighted mean bits
+        ``assigned_bits`` / ``assigned_bits_forward`` / ``assigned_bits_backward`` (0.0 where
+        no row is sent).
+    """
+    out: dict[Key, list[list[int]]] = {}
+    solve = 0.0
+    bit_rows = {d: 0.0 for d in DIRECTIONS}
+    rows_of = {d: 0 for d in DIRECTIONS}
+    for key in sorted(feature_dims):
+        sender, peer, rows, var = [], [], [], []
+        for s, table in enumerate(tables):
+            for p, n, v in table[key]:
+                sender.append(s)
+                peer.append(p)
+                rows.append(n)
+                var.append(v)
+        problem = AssignmentProblem(
+            sender=sender,
+            peer=peer,
+            rows=rows,
+            var_coef=var,
+            costs=costs,
+            world_size=world_size,
+            feature_dim=int(feature_dims[key]),
+            meta_bytes_per_row=float(META_NBYTES),
+        )
+        result = assign_bits(problem, lambda_=lambda_, bit_choices=bit_choices)
+        solve += result.solve_seconds
+        bits = [int(b) for b in result.bits_per_group.tolist()]
+        per_sender: list[list[int]] = []
+        offset = 0
+        for table in tables:
+            per_sender.append(bits[offset : offset + len(table[key])])
+            offset += len(table[key])
+        out[key] = per_sender
+        bit_rows[key[1]] += float(sum(n * b for n, b in zip(rows, bits)))
+        rows_of[key[1]] += int(sum(rows))
+
+    def mean(total: float, n: int) -> float:
+        return total / n if n else 0.0
+
+    figures = {
+        "solve_time": solve,
+        "assigned_bits": mean(sum(bit_rows.values()), sum(rows_of.values())),
+        "assigned_bits_forward": mean(bit_rows["forward"], rows_of["forward"]),
+        "assigned_bits_backward": mean(bit_rows["backward"], rows_of["backward"]),
+    }
+    return out, figures
+
+
+def assign_message_bits(
+    stats: dict[Key, MessageStats],
+    rank: int,
+    world_size: int,
     group: Any,
     costs: dict[tuple[int, int], LinkCost],
-    weights: Tensor,
-    feature_dims: dict[int, int],
+    control: ControlFn,
     lambda_: float = 0.5,
     group_size: int = 100,
     bit_choices: tuple[int, ...] = (2, 4, 8),
-) -> dict[str, float]:
-    """Re-assigns the bit-width of every sent row, for every layer seen in the last step.
+) -> tuple[dict[Key, tuple[Tensor, Tensor]], dict[str, float]]:
+    """Assigns the bit-width of every row of every message direction of every layer.
 
-    Collective: every rank must call it at the same point.  Updates
-    ``exchanger.layer_bits`` and returns timing figures (seconds) and the average assigned
-    bits, for logging.
+    Collective over ``group`` (all ranks, the same point, the same keys): one
+    ``all_gather_object``, one ``broadcast_object_list`` from rank 0, then one ``control``
+    call per key in sorted key order.  Each key's problem is joint over all senders (the
+    round time is the max over the round's links) and is solved from that key's own
+    statistics (module docstring, step 3).  Invalid inputs on any rank (counts, lengths,
+    non-finite ranges, differing keys or feature dims) and solver errors on rank 0 raise the
+    same error on every rank, after the collectives, so no rank is left waiting.
+
+    Args:
+        stats: ``{(layer, "forward" | "backward"): MessageStats}`` of this rank.
+        rank: this rank in ``group`` (the index into the counts).
+        world_size: ranks in ``group`` (``W``).
+        group: the process group of the object collectives (``None``: default group).
+        costs: :class:`LinkCost` per ``(sender, peer)`` (e.g. :func:`measure_link_costs`);
+            every pair that sends rows needs one.
+        control: the caller's uncompressed all-to-all (:data:`ControlFn`).
+        lambda_: weight of the normalised variance term (``1 - lambda_``: time term).
+        group_size: rows per group.
+        bit_choices: allowed bit-widths.
+
+    Returns:
+        ``(bits, figures)``: ``bits[key] = (send_bits, recv_bits)``, uint8, ``send_bits``
+        ``[M]`` (one per sent row, send order, on ``row_range``'s device) and ``recv_bits``
+        ``[sum(recv_counts)]`` (one per received row, as returned by ``control``); figures
+        (floats, seconds for times): ``assign_time`` (this rank, whole call), ``solve_time``
+        (rank 0's MILP time), ``assigned_bits`` (mean bits per assigned row over all keys and
+        ranks), ``assigned_bits_forward``, ``assigned_bits_backward`` (the same per direction;
+        0.0 where no row is sent).
     """
-    plan = exchanger.plan
-    rank, world = plan.rank, plan.world_size
     start = time.perf_counter()
-    layers = sorted(exchanger.row_range)
-    local: dict[int, list[tuple[int, int, float]]] = {}
-    group_ids: dict[int, Tensor] = {}
-    for layer in layers:
-        c = feature_dims[layer] * exchanger.row_range[layer].double().pow(2) / 6.0 * weights.double()
-        entries: list[tuple[int, int, float]] = []
-        ids = torch.empty(plan.num_send, dtype=torch.long)
-        offset = 0
-        for peer, count in enumerate(plan.send_counts):
-            if count == 0:
-                continue
-            part = c[offset : offset + count].cpu()
-            gid = group_nodes(part, group_size)
-            rows, var = group_aggregates(part, gid)
-            ids[offset : offset + count] = gid + len(entries)
-            entries += [(peer, int(n), float(v)) for n, v in zip(rows.tolist(), var.tolist())]
-            offset += count
-        local[layer] = entries
-        group_ids[layer] = ids
-    gathered: list[Any] = [None] * world
+    keys = sorted(stats)
+    tables: dict[Key, list[_Entry]] = {}
+    group_ids: dict[Key, Tensor] = {}
+    errors: list[str] = []
+    dims: dict[Key, int] = {}
+    for key in keys:
+        # every local problem is reported through the gather, so no rank is left waiting
+        try:
+            problem = _check_stats(key, stats[key], world_size)
+            if problem is None:
+                dims[key] = int(stats[key].feature_dim)
+                tables[key], group_ids[key] = _local_groups(stats[key], group_size)
+        except Exception as exc:
+            problem = f"{key}: {type(exc).__name__}: {exc}"
+        if problem is not None:
+            errors.append(problem)
+    local = {"keys": keys, "dims": dims, "tables": tables, "errors": errors}
+    gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, local, group=group)
-    solve_seconds = 0.0
-    decisions: list[Any] = [None]
+    problems = [f"rank {r}: {e}" for r, g in enumerate(gathered) for e in g["errors"]]
+    for r, g in enumerate(gathered):
+        if g["keys"] != keys:
+            problems.append(f"rank {r} has keys {g['keys']}, rank {rank} has {keys}")
+        elif g["dims"] != local["dims"]:
+            problems.append(f"rank {r} has feature dims {g['dims']}, rank {rank} has {local['dims']}")
+    if problems:
+        raise ValueError("assign_message_bits: " + "; ".join(problems))
+
+    decision: list[Any] = [None]
     if rank == 0:
-        solved: dict[int, dict[int, list[int]]] = {}
-        for layer in layers:
-            per_sender: dict[int, list[int]] = {}
-            # One MILP per (layer, sender): the sender's rounds are its peers, so every link's
-            # time counts (a joint problem lets links that are not their round's bottleneck
-            # keep 8 bits for free, which on near-uniform links sends almost all rows at 8).
-            for s, table in enumerate(gathered):
-                entries = table[layer]
-                if not entries:
-                    per_sender[s] = []
-                    continue
-                problem = AssignmentProblem(
-                    sender=[s] * len(entries),
-                    peer=[p for p, _, _ in entries],
-                    rows=[n for _, n, _ in entries],
-                    var_coef=[v for _, _, v in entries],
-                    costs={pair: c for pair, c in costs.items() if pair[0] == s},
-                    world_size=world,
-                    feature_dim=feature_dims[layer],
-                    meta_bytes_per_row=float(META_NBYTES),
-                )
-                result = assign_bits(problem, lambda_=lambda_, bit_choices=bit_choices)
-                solve_seconds += result.solve_seconds
-                per_sender[s] = [int(b) for b in result.bits_per_group.tolist()]
-            solved[layer] = per_sender
-        decisions = [solved]
-    dist.broadcast_object_list(decisions, src=0, group=group)
-    solved = decisions[0]
-    device = plan.send_index.device
-    assigned_bits = 0.0
-    assigned_rows = 0
-    for layer in layers:
-        per_group = torch.tensor(solved[layer][rank] or [8], dtype=torch.uint8)
-        send_bits = per_group[group_ids[layer]].to(device) if plan.num_send else torch.zeros(0, dtype=torch.uint8, device=device)
-        recv_bits = exchanger._all_to_all(send_bits.unsqueeze(1), plan.send_counts, plan.recv_counts).squeeze(1)
-        exchanger.layer_bits[layer] = (send_bits, recv_bits)
-        assigned_bits += float(send_bits.sum())
-        assigned_rows += send_bits.numel()
-    return {
-        "assign_time": time.perf_counter() - start,
-        "solve_time": solve_seconds,
-        "assigned_bits": assigned_bits / assigned_rows if assigned_rows else 0.0,
-    }
+        try:
+            solved, figures = _solve_keys(
+                [g["tables"] for g in gathered], local["dims"], costs, world_size, lambda_, tuple(bit_choices)
+            )
+            decision = [{"bits": solved, "figures": figures, "error": None}]
+        except Exception as exc:  # shared with every rank below
+            decision = [{"bits": None, "figures": None, "error": f"{type(exc).__name__}: {exc}"}]
+    dist.broadcast_object_list(decision, src=_global_rank(group, 0), group=group)
+    outcome = decision[0]
+    if outcome["error"] is not None:
+        raise RuntimeError(f"assign_message_bits: rank 0 could not solve: {outcome['error']}")
+
+    result: dict[Key, tuple[Tensor, Tensor]] = {}
+    for key in keys:
+        stat = stats[key]
+        per_group = torch.tensor(outcome["bits"][key][rank], dtype=torch.uint8)
+        send_bits = per_group[group_ids[key]].to(stat.row_range.device)
+        recv = control(send_bits.unsqueeze(1), list(stat.send_counts), list(stat.recv_counts))
+        recv_bits = recv.reshape(-1).to(torch.uint8)
+        if recv_bits.numel() != sum(stat.recv_counts):
+            raise ValueError(
+                f"control returned {recv_bits.numel()} rows for {key}, expected {sum(stat.recv_counts)}"
+            )
+        result[key] = (send_bits, recv_bits)
+    figures = {"assign_time": time.perf_counter() - start, **outcome["figures"]}
+    return result, figures

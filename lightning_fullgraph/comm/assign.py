@@ -1,9 +1,12 @@
 r"""Adaptive bit-width assignment for compressed halo exchange (AdaQP, arXiv 2306.01381).
 
-Pure functions only: nothing here touches a process group.  The intended use is
-"one rank solves, all receive": every rank measures its links and variances, rank 0 gathers
-them, builds one :class:`AssignmentProblem` per layer key for *all* senders, calls
-:func:`assign_bits`, and broadcasts the (picklable) :class:`AssignmentResult`.
+Pure functions only: nothing here touches a process group.  The distributed driver
+(:func:`lightning_fullgraph.comm.adaptive.assign_message_bits`) is "one rank solves, all
+receive": every rank groups the rows it sends, rank 0 gathers all ranks' groups, builds ONE
+:class:`AssignmentProblem` per key ``(layer, "forward" | "backward")`` over *all* senders,
+calls :func:`assign_bits` on it, and broadcasts the chosen bit-widths.
+:meth:`AssignmentProblem.for_sender` builds a single-sender problem (tests, what-if
+comparisons); it ignores the other senders' links in each round's maximum.
 
 Link cost model
 ---------------
@@ -28,11 +31,12 @@ into groups of ``group_size`` rows (the last group may be smaller); a group gets
 bit-width (:func:`group_nodes`, :func:`group_aggregates`, :func:`build_problem`).  Groups never
 mix (sender, peer) pairs.
 
-The MILP (one per layer key)
-----------------------------
+The MILP (one per key, joint over all senders)
+----------------------------------------------
 Groups ``g = 0..G-1`` with sender ``s_g``, peer ``p_g``, ``n_g`` rows and variance coefficient
 ``C_g = sum_{i in g} c_i``; bit choices ``b in B`` (default ``{2, 4, 8}``); bytes per row
-``R(b) = ceil(F * b / 8) + m`` (``m`` = metadata bytes per row, e.g. bf16 scale + min = 4).
+``R(b) = ceil(F * b / 8) + m`` (``m`` = metadata bytes per row; default the codec's
+:data:`~lightning_fullgraph.comm.quantize.META_NBYTES`).
 Communication round ``r = 1..W-1``: every rank ``s`` sends to ``(s + r) mod W``, so the pair
 ``s -> p`` belongs to round ``r(s, p) = (p - s) mod W``.
 
@@ -61,8 +65,8 @@ In MILP form the constants drop out: ``c[x[b, g]] = w_V * C_g / (2^b - 1)^2`` wi
 the MILP are rescaled by ``T_hi`` for conditioning.
 
 Solving: every pair belongs to exactly one round and ``Z_r`` couples only that round's
-pairs, so the MILP separates exactly into ``W - 1`` independent per-round MILPs (``W`` pairs
-each in the joint problem), solved one by one with ``scipy.optimize.milp`` (HiGHS) sharing
+pairs, so the MILP separates exactly into independent per-round MILPs, one per round that
+has a group (at most ``W - 1`` rounds, at most ``W`` pairs each), solved one by one with ``scipy.optimize.milp`` (HiGHS) sharing
 the time budget.  A round that stops at its time limit keeps HiGHS' incumbent
 (``status="time_limit"``); a round whose solve fails, raises, or stops without an incumbent
 falls back (``status="fallback"``, the message names the rounds): with ``improve=False`` to
@@ -94,6 +98,8 @@ import scipy.sparse as sp
 import torch
 from scipy.optimize import Bounds, LinearConstraint, milp, nnls
 from torch import Tensor
+
+from lightning_fullgraph.comm.quantize import META_NBYTES
 
 __all__ = [
     "AssignmentProblem",
@@ -272,7 +278,7 @@ def _as_1d(v: Tensor | Sequence[float], dtype: torch.dtype) -> Tensor:
 
 @dataclass
 class AssignmentProblem:
-    """One bit-width assignment problem (one layer key), joint over all senders.
+    """One bit-width assignment problem (one (layer, direction) key), joint over all senders.
 
     Attributes (``G`` groups; sequences are converted to CPU tensors):
         sender: sending rank per group, int64 ``[G]``.
@@ -283,7 +289,8 @@ class AssignmentProblem:
         costs: :class:`LinkCost` per ``(sender, peer)``; every pair that has a group needs one.
         world_size: number of ranks ``W``.
         feature_dim: features per row ``F``.
-        meta_bytes_per_row: metadata bytes sent with every row (bf16 scale + min = 4).
+        meta_bytes_per_row: metadata bytes sent with every row (default
+            :data:`~lightning_fullgraph.comm.quantize.META_NBYTES`, the codec's).
     """
 
     sender: Tensor
@@ -293,7 +300,7 @@ class AssignmentProblem:
     costs: Mapping[Pair, LinkCost]
     world_size: int
     feature_dim: int
-    meta_bytes_per_row: float = 4.0
+    meta_bytes_per_row: float = float(META_NBYTES)
 
     def __post_init__(self) -> None:
         self.sender = _as_1d(self.sender, torch.long)
@@ -333,7 +340,7 @@ class AssignmentProblem:
         costs: Mapping[int, LinkCost],
         world_size: int,
         feature_dim: int,
-        meta_bytes_per_row: float = 4.0,
+        meta_bytes_per_row: float = float(META_NBYTES),
     ) -> AssignmentProblem:
         """Single-sender problem (rank ``rank`` solves for its own sends); ``costs`` keyed by peer."""
         peer_t = _as_1d(peer, torch.long)
@@ -608,7 +615,8 @@ def assign_bits(
             weighs the normalised time term.
         bit_choices: allowed bit-widths (positive ints; sorted and de-duplicated).
         time_limit: total HiGHS wall-clock budget in seconds over all rounds (``None``: no
-            limit); each round gets the remaining budget divided by the rounds left.
+            limit); each round gets the remaining budget divided by the rounds left, but at
+            least 1 ms (so a tiny budget can be overrun by about 1 ms per round).
         mip_rel_gap: HiGHS relative MIP gap at which a round's search stops.  It is relative
             to the round's MILP objective ``w_V * V_r + w_T * Z_r``, which still contains the
             constant offsets removed by the normalisation, so the normalised objective is
@@ -729,7 +737,7 @@ def build_problem(
     costs: Mapping[Pair, LinkCost],
     world_size: int,
     feature_dim: int,
-    meta_bytes_per_row: float = 4.0,
+    meta_bytes_per_row: float = float(META_NBYTES),
 ) -> tuple[AssignmentProblem, dict[Pair, Tensor]]:
     """Group every pair's rows and assemble the joint problem.
 

@@ -28,7 +28,9 @@ BIT_CHOICES = (1, 2, 4, 8)
 
 def _counts_by_bits(bits: Tensor, counts: list[int]) -> dict[int, list[int]]:
     """Rows of every (peer, bit-width): ``{b: [rows of peer 0 at b, rows of peer 1 at b, ...]}``."""
-    peer = torch.repeat_interleave(torch.arange(len(counts), device=bits.device), torch.tensor(counts, device=bits.device))
+    peer = torch.repeat_interleave(
+        torch.arange(len(counts), device=bits.device), torch.tensor(counts, device=bits.device)
+    )
     out: dict[int, list[int]] = {}
     for b in BIT_CHOICES:
         mask = bits == b
@@ -55,7 +57,8 @@ class EncodedRows:
         buffer: ``[sum(nbytes)]`` uint8, the messages to all peers back to back.
         nbytes: Bytes sent to each peer (the all-to-all split sizes).
         rng: ``[S]`` float32 per-row ``max - min`` in the original row order (used by the
-            bit-width assignment's variance model).
+            bit-width assignment's variance model): the rows' true range, not the slightly
+            wider 16-bit grid the records carry (:mod:`~lightning_fullgraph.comm.quantize`).
     """
 
     buffer: Tensor
@@ -63,7 +66,9 @@ class EncodedRows:
     rng: Tensor
 
 
-def encode_rows(rows: Tensor, bits: Tensor, counts: list[int], generator: torch.Generator | None = None) -> EncodedRows:
+def encode_rows(
+    rows: Tensor, bits: Tensor, counts: list[int], generator: torch.Generator | None = None
+) -> EncodedRows:
     """Quantizes ``rows`` (``[S, F]``, peer-contiguous, ``counts[p]`` rows for peer ``p``) with
     ``bits[i]`` bits for row ``i``, into the layout of the module docstring."""
     row_len = rows.size(1)
@@ -73,12 +78,18 @@ def encode_rows(rows: Tensor, bits: Tensor, counts: list[int], generator: torch.
         # in row order, already are the peer-contiguous layout; no gather, no re-concatenation.
         (b,) = by_bits
         q = quantize(rows, b, generator=generator)
-        return EncodedRows(buffer=q.buffer.reshape(-1), nbytes=message_nbytes(bits, counts, row_len), rng=q.rng)
+        return EncodedRows(
+            buffer=q.buffer.reshape(-1), nbytes=message_nbytes(bits, counts, row_len), rng=q.rng
+        )
     return _encode_grouped(rows, bits, counts, by_bits, generator)
 
 
 def _encode_grouped(
-    rows: Tensor, bits: Tensor, counts: list[int], by_bits: dict[int, list[int]], generator: torch.Generator | None
+    rows: Tensor,
+    bits: Tensor,
+    counts: list[int],
+    by_bits: dict[int, list[int]],
+    generator: torch.Generator | None,
 ) -> EncodedRows:
     row_len = rows.size(1)
     records: dict[int, list[Tensor]] = {}

@@ -3,12 +3,14 @@ r"""Per-row stochastic quantization of halo rows (AdaQP, Sylvie), fast on CPU an
 Quantizer
 ---------
 Every row ``x`` (length ``D``) of a ``[N, D]`` message is quantized on its own, asymmetrically,
-to ``b`` bits (``b`` in {1, 2, 4, 8}), with ``L = 2^b - 1`` levels above the minimum::
+to ``b`` bits (``b`` in {1, 2, 4, 8}), with ``L = 2^b - 1`` levels above the bottom of a grid
+``[lo, lo + R]`` that contains the row (``lo <= min(x)``, ``lo + R >= max(x)``, see *Row
+metadata* for how ``lo`` and ``R`` are chosen)::
 
-    mn = min(x),  rng = max(x) - mn,  step = rng / L
-    t_j = (x_j - mn) / step                       in [0, L]   (position in level units)
+    step = R / L
+    t_j = (x_j - lo) / step                       in [0, L]   (position in level units)
     q_j = floor(t_j + u_j),  u_j ~ U[0, 1)        in {0, .., L} (stochastic rounding)
-    x^_j = mn + q_j * step                        (dequantized value)
+    x^_j = lo + q_j * step                        (dequantized value)
 
 ``q_j`` is ``floor(t_j)`` or ``floor(t_j) + 1``, the latter with probability ``frac(t_j)``, so
 ``E[q_j] = t_j`` and ``E[x^_j] = x_j``: the quantizer is *unbiased*.  Its error has variance
@@ -17,10 +19,55 @@ to ``b`` bits (``b`` in {1, 2, 4, 8}), with ``L = 2^b - 1`` levels above the min
 
 where ``lo_j <= x_j <= hi_j`` are the two levels around ``x_j``.  Per row (errors of different
 elements are independent) the expected squared error is the sum over ``j`` of that product
-(:func:`row_variance`).  It never exceeds ``D rng^2 / (4 L^2)`` (:func:`variance_bound`, each
-term is at most ``step^2 / 4``); AdaQP's planning model ``D rng^2 / (6 L^2)``
-(:func:`adaqp_variance_model`) is its average when the fractional parts are uniform
-(``E[u(1 - u)] = 1/6``).  With ``b = 1`` (Sylvie) every element becomes ``mn`` or ``mx``.
+(:func:`row_variance`).  It never exceeds ``D R^2 / (4 L^2)`` (:func:`variance_bound`, each
+term is at most ``step^2 / 4``).  AdaQP's planning model ``D rng^2 / (6 L^2)``
+(:func:`adaqp_variance_model`, ``rng = max(x) - min(x)``) is the average when the fractional
+parts are uniform (``E[u(1 - u)] = 1/6``) and the grid is exactly ``[min, max]``; the stored
+grid is slightly wider (below).  With ``b = 1`` (Sylvie) every element becomes ``lo`` or
+``lo + R``.
+
+Row metadata: 16-bit, rounded outward
+-------------------------------------
+``lo`` and ``R`` are sent in 16 bits each, and the grid is computed from the *stored* values,
+so quantizer and dequantizer use the very same levels and unbiasedness is exact whatever the
+16-bit rounding did -- provided the stored grid still contains the row.  It is rounded
+outward:
+
+* ``lo`` = ``min(x)`` rounded toward ``-inf`` to **bfloat16** (sign, float32's 8-bit exponent,
+  7 mantissa bits: the high half of the float32 bit pattern).
+* ``R`` = ``max(x) - lo`` (computed exactly: the float32 subtraction plus its exact rounding
+  error, Knuth's TwoSum) rounded toward ``+inf`` to a sign-less 16-bit float: **bits 30..15 of
+  the float32 pattern** (float32's 8-bit exponent, 8 mantissa bits; a range is never negative,
+  so its sign bit is spent on one more mantissa bit).
+
+Both share float32's exponent range, so every float32 row (up to ~3.39e38, see below) has a
+16-bit grid: no overflow where float16 overflows (beyond 65504), no flush of tiny ranges
+(float16 loses ranges below ~6e-8; here ``R`` is rounded up by less than ``2^-134`` and ``lo``
+down by less than ``2^-133`` even on subnormal rows).  The price is a wider grid: ``min(x) - lo < 2^-7 |min(x)|`` and ``R - (max(x) - lo) < 2^-8 R``, so
+
+    R < (1 + 2^-8) (rng + 2^-7 |min(x)|)        (plus ~2^-133 on subnormal rows)
+
+and the error variance grows with ``R^2``: at most +0.8% for rows whose minimum is 0 (ReLU
+outputs; 0 is exact), at most +2.4% when ``|min(x)| <= rng`` (typical activations).  Rows far
+from zero compared with their range widen much more: ``1000.5 + 1e-3 u`` gets ``lo = 1000``,
+``R ~ 0.502``, i.e. an error of the order of bfloat16's rounding of the values themselves
+(``2^-9 |x|``), still unbiased.  float16 for ``lo`` (3 more mantissa bits) would widen such
+rows 8x less, but it overflows beyond 65504 and would need a per-row fallback format; the
+extra bits matter only for rows far from zero relative to their range, so bfloat16 (with the
+9-significant-bit range) keeps one code path that is right for every row.  The variance functions (:func:`row_variance`,
+:func:`variance_bound`) use the stored grid; :attr:`QuantizedRows.rng` is still the true
+float32 ``max - min`` of each row (for variance models that plan bit-widths).
+
+*Constant rows* (``max == min == c``) come back exactly: when ``c`` is a bfloat16 value (0,
+small integers, ...) the grid is ``[c, c]`` (``R = 0``); otherwise the record carries the
+float32 bit pattern of ``c`` instead of a grid, marked by an ``R`` field whose exponent bits are
+all ones (an infinite or NaN range, which a real row never has): its high 16 bits in the
+``lo`` field (``lo`` is then ``c`` truncated to bfloat16), bits 8-15 in the low byte of the
+``R`` field and bits 0-7 in the first packed byte (the levels of such a row are not used).
+
+Rows whose grid leaves ``+-(2^128 - 2^119)`` (about +-3.396e38: rows with a value or a range
+beyond ~3.39e38, the top 0.2% of float32's magnitudes) are rejected (``ValueError``), as are
+NaN and inf; inside that bound the dequantized values never overflow float32.
 
 Exact unbiasedness in fixed point
 ---------------------------------
@@ -37,16 +84,17 @@ fixed-point input, and the only bias with respect to ``t`` is the truncation
 ``0 <= t - T / 2^K < 2^-16`` level -- at 8 bits (``t`` up to 255) that is the size of the
 float32 rounding error of ``t`` itself, and at any width it is below one part in 65536 of a
 quantization step, far below the noise the rounding adds (standard deviation up to half a
-step).  ``T <= L 2^K`` (enforced by a clamp that also absorbs float error) gives
-``q <= L``: there is no ``u -> 1`` overflow into the next packed value.  The exact variance of
-the fixed-point rounding is ``f (1 - f) step^2`` with ``f = frac(T / 2^K)``, which differs from
-:func:`row_variance` by less than ``2^-16 step^2`` per element.
+step).  ``T <= L 2^K`` (enforced by a clamp that only absorbs float error, since the stored
+grid contains the row) gives ``q <= L``: there is no ``u -> 1`` overflow into the next packed
+value.  The exact variance of the fixed-point rounding is ``f (1 - f) step^2`` with
+``f = frac(T / 2^K)``, which differs from :func:`row_variance` by less than ``2^-16 step^2``
+per element.
 
 Wire format (one ``uint8`` buffer, one fixed-size record per row)
 ------------------------------------------------------------------
-Every row becomes a record of :func:`row_nbytes` ``= 8 + ceil(D b / 8)`` bytes::
+Every row becomes a record of :func:`row_nbytes` ``= 4 + ceil(D b / 8)`` bytes::
 
-    [ mn: float32 | rng: float32 | packed levels: ceil(D b / 8) bytes ]
+    [ lo: bfloat16 | R: bits 30..15 of float32 | packed levels: ceil(D b / 8) bytes ]
 
 so a message of ``N`` rows is a contiguous ``[N, row_nbytes]`` uint8 tensor of exactly
 :func:`payload_nbytes` ``= N * row_nbytes`` bytes.  Because records have a fixed size, the rows a
@@ -57,32 +105,31 @@ transport sends to different ranks are contiguous byte ranges (split sizes = row
   offset ``b * (j % (8 / b))`` (least-significant field first, like
   ``numpy.packbits(bitorder="little")`` for ``b = 1``).  Each row is padded with zero levels to
   a multiple of ``8 / b`` elements, at most 7 bits per row.
-* Metadata: ``mn`` and ``rng = mx - mn`` as little-endian **float32**, 8 bytes per row.
-  float32 is exact for ``mn`` (an input value), keeps the top level within one float32
-  rounding of ``mx``, and never overflows or flushes where the data did not.  Half-precision
-  metadata would save 4 bytes per row but costs accuracy or needs guards: bf16 (8 significant
-  bits) moves ``mn`` by up to ``2^-9 |mn|`` -- more than the whole range for rows far from zero
-  -- and ``rng`` by up to 0.2%; fp16 overflows beyond 65504 and loses ranges below ~6e-8.
-  Cost of float32: 8 bytes on top of the 32 bytes of a 1-bit x 256 row (25%), of 256 bytes at
-  8 bits (3%).
+* Metadata: two little-endian 16-bit fields, :data:`META_NBYTES` ``= 4`` bytes per row (see
+  *Row metadata*; the constant-row form reuses them).  At ``D = 256``, 1 bit: 32 + 4 = 36 bytes
+  per row against 1024 bytes of float32, **28.4x** less (25.6x with the former 8 bytes of
+  float32 metadata); 8 bits: 260 bytes, 3.94x.
 * Little-endian byte order of the host/device is assumed (every platform PyTorch supports).
 
 Speed
 -----
 Rows are processed in chunks of ~2^18 elements that stay in the CPU cache; every step is a
 vectorized in-place torch kernel on buffers allocated once per call (no Python loop over rows
-or elements, no per-chunk temporaries); row min/max are taken chunk by chunk so the input is
-read from memory once; packing/unpacking use word-level integer tricks (one multiply and one
-shift pack 8 one-bit levels).  ``quantize`` rejects NaN/inf input with the per-row min/max it
-needs anyway.  Drawing the 16-bit dither (``random_`` on int64, four dithers per draw) is about
-half of the quantizer's time.  Large CPU outputs get ``MADV_HUGEPAGE`` advice
-(:data:`HUGEPAGE_ADVICE`): first-touch page faults of a fresh 100 MB tensor otherwise cost more
-than the dequantization itself.  Measured on one thread of the 2-core development machine
-(100k x 256 float32, ``benchmarks/quantizer_speed.py``): quantize+pack ~1.0-1.7 GB/s of
-float32 input, unpack+dequantize ~2.4-5 GB/s (4-6 GB/s into a reused ``out``), against
-~0.1-0.2 / ~0.3-0.5 GB/s for a naive torch implementation.  The same code runs unchanged on
-CUDA (in larger chunks).  Packing multiplies integers that wrap around (two's complement), as
-every PyTorch backend does; the layout tests check every byte pattern.
+or elements, no per-chunk temporaries of the chunk's size); row min/max and the 16-bit grid
+are computed chunk by chunk so the input is read from memory once; packing/unpacking use
+word-level integer tricks (one multiply and one shift pack 8 one-bit levels).  ``quantize``
+rejects NaN/inf input with the per-row min/max it needs anyway.  Drawing the 16-bit dither
+(``random_`` on int64, four dithers per draw) is about half of the quantizer's time.  Large
+CPU outputs allocated here get ``MADV_HUGEPAGE`` advice (``hugepages=False`` turns it off):
+first-touch page faults of a fresh 100 MB tensor otherwise cost more than the dequantization
+itself.  Measured on one thread of the 2-core development machine (100k x 256 float32,
+``benchmarks/quantizer_speed.py``): quantize+pack ~1.0-1.7 GB/s of float32 input,
+unpack+dequantize ~2.4-5 GB/s (3.3-6 GB/s into a reused ``out``), against ~0.1-0.2 /
+~0.3-0.5 GB/s for a naive torch implementation.  The 16-bit grid (bit-pattern rounding and
+TwoSum on per-chunk row vectors, with 0-d tensor operands to halve their dispatch cost) costs
+quantize 1-4% and dequantize ~1% against float32 metadata (interleaved runs, same machine).
+The same code runs unchanged on CUDA (in larger chunks).  Packing multiplies integers that wrap around (two's complement), as every PyTorch
+backend does; the layout tests check every byte pattern.
 
 Shapes: input ``[N, D]`` (two dimensions only; ``N`` or ``D`` may be 0); any floating dtype
 (computed in float32, so values beyond float32 range are rejected as non-finite).  Output of
@@ -91,7 +138,9 @@ Shapes: input ``[N, D]`` (two dimensions only; ``N`` or ``D`` may be 0); any flo
 
 from __future__ import annotations
 
+import functools
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -99,7 +148,6 @@ from torch import Tensor
 
 __all__ = [
     "DITHER_BITS",
-    "HUGEPAGE_ADVICE",
     "META_NBYTES",
     "SUPPORTED_BITS",
     "QuantizedRows",
@@ -115,8 +163,8 @@ __all__ = [
 ]
 
 SUPPORTED_BITS: tuple[int, ...] = (1, 2, 4, 8)
-#: Bytes of per-row metadata: float32 ``mn`` + float32 ``rng``.
-META_NBYTES: int = 8
+#: Bytes of per-row metadata: bfloat16 ``lo`` + 16-bit range ``R`` (module docstring).
+META_NBYTES: int = 4
 #: Fractional bits of the fixed-point dither (see the module docstring).
 DITHER_BITS: int = 16
 
@@ -126,6 +174,12 @@ _ONE = 1 << DITHER_BITS
 _CPU_CHUNK_ELEMS = 1 << 18
 _DEVICE_CHUNK_ELEMS = 1 << 24
 _TINY32 = torch.finfo(torch.float32).tiny
+# The stored grid [lo, lo + R] must lie within +-_GRID_MAX (2^128 - 2^119, ~3.396e38): the
+# largest 16-bit range, and far enough below float32's max (2^128 - 2^104) that the
+# dequantizer's rounding never overflows.
+_GRID_MAX = float(2**128 - 2**119)
+# A stored range field >= this (all-ones exponent: inf/NaN) marks an exact constant row.
+_CONST_MARK = 0xFF00
 
 # Word dtype whose bytes hold the 8/b levels that make up one packed byte.
 _WORD_DTYPE = {1: torch.int64, 2: torch.int32, 4: torch.int16}
@@ -153,14 +207,14 @@ def packed_row_nbytes(row_len: int, bits: int) -> int:
 
 
 def row_nbytes(row_len: int, bits: int) -> int:
-    """Bytes of one row's record on the wire: ``META_NBYTES + packed_row_nbytes``."""
+    """Bytes of one row's record on the wire: ``META_NBYTES + packed_row_nbytes`` (``4 + ...``)."""
     return META_NBYTES + packed_row_nbytes(row_len, bits)
 
 
 def payload_nbytes(num_rows: int, row_len: int, bits: int) -> int:
     """Exact size in bytes of the message for ``num_rows`` rows of ``row_len`` elements.
 
-    ``num_rows * (8 + ceil(row_len * bits / 8))``: packed levels *and* float32 metadata, i.e.
+    ``num_rows * (4 + ceil(row_len * bits / 8))``: packed levels *and* 16-bit metadata, i.e.
     ``QuantizedRows.to_bytes().numel()``.
     """
     if num_rows < 0:
@@ -173,6 +227,79 @@ def _chunk_rows(num_rows: int, row_len: int, device: torch.device) -> int:
     return max(1, min(num_rows, elems // max(row_len, 1)))
 
 
+# -- the 16-bit grid ------------------------------------------------------------------------
+# 0-d operands: an in-place op with a 0-d tensor dispatches ~2x faster than with a Python
+# number, and the grid's ops run on short per-chunk vectors where dispatch is the cost.
+_I31 = torch.tensor(31, dtype=torch.int32)
+_LOW16 = torch.tensor(0xFFFF, dtype=torch.int32)
+_HIGH16 = torch.tensor(-65536, dtype=torch.int32)  # 0xFFFF0000
+_LOW15 = torch.tensor(0x7FFF, dtype=torch.int32)
+_HIGH17 = torch.tensor(-32768, dtype=torch.int32)  # 0xFFFF8000
+
+
+def _grid(
+    mn: Tensor, mx: Tensor, lo: Tensor | None = None, rng16: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """The stored grid of rows with float32 minima ``mn`` and maxima ``mx`` (1-D, contiguous).
+
+    Returns ``(lo, rng16)`` (float32; written into the given contiguous buffers if any):
+    ``lo`` is ``mn`` rounded toward ``-inf`` to bfloat16, ``rng16`` is ``mx - lo`` rounded toward
+    ``+inf`` to 9 significant bits, so that ``lo + rng16 >= mx`` exactly.  Constant rows whose
+    value is not a bfloat16 get a grid here too, but their records are replaced by the exact
+    form (:func:`_write_metadata`; their levels are not used).  Integer arithmetic on the
+    float32 bit patterns, exact on any device; NaN/inf rows give a NaN/inf grid.
+    """
+    b = mn.view(torch.int32)
+    # Sign-magnitude: clearing the low 16 bits truncates toward 0; for negative values the
+    # magnitude is first raised by 0xFFFF so that the truncation rounds toward -inf.
+    lob = torch.bitwise_right_shift(b, _I31, out=None if lo is None else lo.view(torch.int32))
+    lob.bitwise_and_(_LOW16).add_(b).bitwise_and_(_HIGH16)
+    lo = lob.view(torch.float32)
+    # TwoSum: mx - lo == s + err exactly (err is the rounding error of the subtraction).
+    s = torch.sub(mx, lo, out=rng16)
+    bp = s - mx
+    err = (mx - (s - bp)).sub_(bp.add_(lo))
+    # s >= 0: its bit pattern is monotone in its value, +1 is the next float32 up.  err > 0
+    # exactly when its pattern is a positive integer.
+    rb = s.view(torch.int32)
+    rb.add_(err.view(torch.int32).clamp_(0, 1))
+    rb.add_(_LOW15).bitwise_and_(_HIGH17)  # round up to a multiple of 2^15: bits 30..15 remain
+    return lo, rb.view(torch.float32)
+
+
+def _grid_ok(lo: Tensor, rng16: Tensor) -> Tensor:
+    """Whether each grid lies within ``+-_GRID_MAX`` (False for NaN/inf rows)."""
+    return (lo >= -_GRID_MAX) & ((lo + rng16) <= _GRID_MAX)
+
+
+def _effective_grid(mn: Tensor, mx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(lo, R, ok)`` as the dequantizer sees them: constant rows are ``(c, 0)``."""
+    lo, rng16 = _grid(mn, mx)
+    ok = _grid_ok(lo, rng16)
+    const = mx == mn
+    return torch.where(const, mn, lo), rng16.masked_fill(const, 0.0), ok
+
+
+def _decode_grid(records: Tensor) -> tuple[Tensor, Tensor]:
+    """``(lo, R)`` (float32, ``[N]``) of ``[N, row_nbytes]`` records; exact constant rows
+    decode to ``(c, 0)``."""
+    n = records.shape[0]
+    meta = torch.empty((n, 4), dtype=torch.uint8, device=records.device)
+    meta.copy_(records[:, :META_NBYTES])  # one strided copy, then whole-word arithmetic
+    word = meta.view(torch.int32).view(n)  # little-endian: lo16 | R16 << 16
+    lob = torch.bitwise_left_shift(word, 16)  # bfloat16 lo: the high half of its float32
+    r16 = torch.bitwise_right_shift(word, 16).bitwise_and_(0xFFFF)
+    rb = r16.bitwise_left_shift(15)  # R: bits 30..15 of its float32
+    if n > 0 and records.shape[1] > META_NBYTES and int(r16.amax()) >= _CONST_MARK:
+        idx = torch.nonzero(r16 >= _CONST_MARK).squeeze(1)
+        # float32 pattern of the constant: lo16 << 16 | R16 low byte << 8 | first packed byte
+        low = records[idx, META_NBYTES].to(torch.int32)
+        cb = r16[idx].bitwise_and_(0xFF).bitwise_left_shift_(8).bitwise_or_(low).bitwise_or_(lob[idx])
+        lob[idx] = cb
+        rb[idx] = 0
+    return lob.view(torch.float32), rb.view(torch.float32)
+
+
 @dataclass(frozen=True, eq=False)
 class QuantizedRows:
     """A quantized ``[N, D]`` message, stored as its wire records.
@@ -181,14 +308,20 @@ class QuantizedRows:
         buffer: ``[N, row_nbytes(D, bits)]`` uint8, one record per row (module docstring).
         bits: Bits per element, one of 1, 2, 4, 8.
         shape: ``(N, D)`` of the original tensor.
+        row_min, row_range: ``[N]`` float32 true per-row ``min`` and ``max - min`` of the
+            quantized tensor; set by :func:`quantize`, ``None`` for a message rebuilt from its
+            bytes (they are not on the wire: the records hold the 16-bit grid).
 
-    ``packed`` (``[N, ceil(D b / 8)]`` uint8, a strided view), ``mn`` and ``rng`` (``[N]``
-    float32 copies) are read from the records.
+    ``packed`` (``[N, ceil(D b / 8)]`` uint8, a strided view) is read from the records, and so
+    are ``grid_lo`` and ``grid_range`` (``[N]`` float32 copies); ``mn`` and ``rng`` are the
+    true statistics.
     """
 
     buffer: Tensor
     bits: int
     shape: tuple[int, int]
+    row_min: Tensor | None = None
+    row_range: Tensor | None = None
 
     def __post_init__(self) -> None:
         _check_bits(self.bits)
@@ -198,6 +331,10 @@ class QuantizedRows:
                 f"buffer must be uint8 of shape {(n, row_nbytes(d, self.bits))}, "
                 f"got {self.buffer.dtype} {tuple(self.buffer.shape)}"
             )
+        for name in ("row_min", "row_range"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != (n,):
+                raise ValueError(f"{name} must have shape {(n,)}, got {tuple(t.shape)}")
 
     @property
     def num_rows(self) -> int:
@@ -212,21 +349,36 @@ class QuantizedRows:
         """Packed levels, ``[N, ceil(D b / 8)]`` uint8 (a view into :attr:`buffer`)."""
         return self.buffer[:, META_NBYTES:]
 
-    def _meta(self, i: int) -> Tensor:
-        n = self.shape[0]
-        raw = torch.empty((n, 4), dtype=torch.uint8, device=self.buffer.device)
-        raw.copy_(self.buffer[:, 4 * i : 4 * i + 4])  # a fresh, aligned copy
-        return raw.view(torch.float32).view(n)
+    @property
+    def grid_lo(self) -> Tensor:
+        """Bottom level of every row's stored grid, ``[N]`` float32 (``<=`` the row's min;
+        the value itself for constant rows)."""
+        return _decode_grid(self.buffer)[0]
+
+    @property
+    def grid_range(self) -> Tensor:
+        """Stored grid range ``R`` of every row, ``[N]`` float32: the top level is
+        ``grid_lo + grid_range`` (``>=`` the row's max); 0 for constant rows."""
+        return _decode_grid(self.buffer)[1]
+
+    def _stat(self, t: Tensor | None, what: str) -> Tensor:
+        if t is None:
+            raise ValueError(
+                f"the true row {what} is known only to the sender (quantize's result); a message "
+                "rebuilt from its bytes has the 16-bit grid: grid_lo, grid_range"
+            )
+        return t
 
     @property
     def mn(self) -> Tensor:
-        """Per-row minimum, ``[N]`` float32."""
-        return self._meta(0)
+        """True per-row minimum of the quantized tensor, ``[N]`` float32 (sender side only)."""
+        return self._stat(self.row_min, "minimum")
 
     @property
     def rng(self) -> Tensor:
-        """Per-row range ``max - min``, ``[N]`` float32 (0 for constant rows)."""
-        return self._meta(1)
+        """True per-row range ``max - min``, ``[N]`` float32 (0 for constant rows; sender side
+        only): the input of bit-width planning models, not the (wider) stored grid."""
+        return self._stat(self.row_range, "range")
 
     @property
     def nbytes(self) -> int:
@@ -246,7 +398,8 @@ class QuantizedRows:
             num_rows, row_len, bits: Shape and width of the quantized ``[num_rows, row_len]``.
 
         Returns:
-            A :class:`QuantizedRows` viewing ``buf`` (no copy when ``buf`` is contiguous).
+            A :class:`QuantizedRows` viewing ``buf`` (no copy when ``buf`` is contiguous),
+            without the true row statistics (``mn``/``rng``), which are not on the wire.
         """
         bits = _check_bits(bits)
         if buf.dtype != torch.uint8:
@@ -276,88 +429,91 @@ def _as_2d_float(x: Tensor, what: str = "x") -> Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
 
-def _raise_non_finite(mn: Tensor, mx: Tensor, row0: int = 0) -> None:
-    ok = torch.isfinite(mn) & torch.isfinite(mx)
-    if not bool(ok.all()):
-        row = row0 + int(torch.nonzero(~ok)[0])
+def _raise_bad_rows(mn: Tensor, mx: Tensor, ok: Tensor, row0: int = 0) -> None:
+    """Raises for the first non-finite row, else for the first row whose grid is not ``ok``."""
+    finite = torch.isfinite(mn) & torch.isfinite(mx)
+    if not bool(finite.all()):
+        row = row0 + int(torch.nonzero(~finite)[0])
         raise ValueError(f"cannot quantize non-finite values (NaN or inf), first in row {row}")
-    bad = ~torch.isfinite(mx - mn)
-    if bool(bad.any()):
-        i = int(torch.nonzero(bad)[0])
+    if not bool(ok.all()):
+        i = int(torch.nonzero(~ok)[0])
         raise ValueError(
-            f"row {row0 + i} has a range max - min that overflows float32 "
-            f"(min {float(mn[i]):.3g}, max {float(mx[i]):.3g})"
+            f"row {row0 + i} overflows the quantization grid (min {float(mn[i]):.5g}, max "
+            f"{float(mx[i]):.5g}): the grid [lo, lo + range] must lie within +-{_GRID_MAX:.5g}"
         )
 
 
-def _row_min_max(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-row ``mn``, ``mx``, ``rng`` of a non-empty float32 ``x``; raises on NaN/inf."""
+def _row_grid(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-row stored grid ``lo``, ``R`` of a non-empty float32 ``x`` as the dequantizer sees
+    it (constant rows ``(c, 0)``); raises on NaN/inf or grid overflow."""
     mn = torch.amin(x, dim=1)
     mx = torch.amax(x, dim=1)
-    rng = mx - mn  # NaN or inf whenever mn or mx is (amin/amax propagate NaN)
-    if not bool(torch.isfinite(rng).all()):
-        _raise_non_finite(mn, mx)
-    return mn, mx, rng
+    lo, rng16, ok = _effective_grid(mn, mx)
+    if not bool(ok.all()):
+        _raise_bad_rows(mn, mx, ok)
+    return lo, rng16
 
 
 # Hugepage advice for large CPU outputs: first-touch page faults of a fresh 100 MB tensor cost
 # more than the whole dequantization on small VMs; MADV_HUGEPAGE cuts them ~500x in number.
-HUGEPAGE_ADVICE: bool = True
 _HUGEPAGE_MIN_BYTES = 8 << 20
 _HUGE = 2 << 20
-_madvise = None
+_MADV_HUGEPAGE = 14
+
+
+@functools.cache
+def _libc_madvise() -> Callable[[int, int, int], int] | None:
+    """The C library's ``madvise`` (a fresh ctypes prototype), or ``None`` off Linux or where it
+    cannot be found.  A pure lookup, resolved on first use."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, use_errno=True)
+        return proto(("madvise", ctypes.CDLL(None, use_errno=True)))
+    except (OSError, AttributeError, TypeError):  # pragma: no cover - libc without madvise
+        return None
 
 
 def _advise_hugepages(t: Tensor) -> None:
-    global _madvise, HUGEPAGE_ADVICE
-    try:
-        if _madvise is None:
-            import ctypes
-            import sys
-
-            if not sys.platform.startswith("linux"):
-                HUGEPAGE_ADVICE = False
-                return
-            libc = ctypes.CDLL(None, use_errno=True)
-            fn = libc.madvise
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            fn.restype = ctypes.c_int
-            _madvise = fn
-        ptr = t.data_ptr()
-        lo = -(-ptr // _HUGE) * _HUGE
-        hi = (ptr + t.numel() * t.element_size()) // _HUGE * _HUGE
-        if hi > lo:
-            _madvise(lo, hi - lo, 14)  # MADV_HUGEPAGE; a hint, failure is harmless
-    except Exception:  # pragma: no cover - platform without libc/madvise
-        HUGEPAGE_ADVICE = False
+    madvise = _libc_madvise()
+    if madvise is None:  # pragma: no cover - not Linux
+        return
+    ptr = t.data_ptr()
+    lo = -(-ptr // _HUGE) * _HUGE
+    hi = (ptr + t.numel() * t.element_size()) // _HUGE * _HUGE
+    if hi > lo:
+        madvise(lo, hi - lo, _MADV_HUGEPAGE)  # a hint: failure (-1, errno) is harmless
 
 
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, hugepages: bool) -> Tensor:
     t = torch.empty(shape, dtype=dtype, device=device)
-    if HUGEPAGE_ADVICE and device.type == "cpu" and t.numel() * t.element_size() >= _HUGEPAGE_MIN_BYTES:
+    if hugepages and device.type == "cpu" and t.numel() * t.element_size() >= _HUGEPAGE_MIN_BYTES:
         _advise_hugepages(t)
     return t
 
 
-_U16_OK: dict[str, bool] = {}
-
-
-def _uint16_copy_ok(device: torch.device) -> bool:
+@functools.cache
+def _uint16_copy_ok(device_type: str) -> bool:
     """Whether ``uint16 -> int32`` copies work on this device type (bare-bones dtype)."""
-    ok = _U16_OK.get(device.type)
-    if ok is None:
-        try:
-            src = torch.tensor([-1, 7], dtype=torch.int16, device=device).view(torch.uint16)
-            dst = torch.empty(2, dtype=torch.int32, device=device).copy_(src)
-            ok = dst.tolist() == [65535, 7]
-        except Exception:  # pragma: no cover - depends on the torch build
-            ok = False
-        _U16_OK[device.type] = ok
-    return ok
+    try:
+        src = torch.tensor([-1, 7], dtype=torch.int16, device=device_type).view(torch.uint16)
+        dst = torch.empty(2, dtype=torch.int32, device=device_type).copy_(src)
+        return dst.tolist() == [65535, 7]
+    except Exception:  # pragma: no cover - depends on the torch build
+        return False
 
 
 def quantize(
-    x: Tensor, bits: int, generator: torch.Generator | None = None, *, out: Tensor | None = None
+    x: Tensor,
+    bits: int,
+    generator: torch.Generator | None = None,
+    *,
+    out: Tensor | None = None,
+    hugepages: bool = True,
 ) -> QuantizedRows:
     """Quantizes every row of ``x`` to ``bits`` bits with unbiased stochastic rounding.
 
@@ -370,13 +526,16 @@ def quantize(
         out: Optional ``[N, row_nbytes(D, bits)]`` uint8 tensor on ``x``'s device (e.g. a slice
             of a larger send buffer) to write the records into; its rows may be strided, its
             bytes within a row must be contiguous.
+        hugepages: Give a large (>= 8 MiB) CPU record buffer allocated here ``MADV_HUGEPAGE``
+            advice (speed only: the bytes are the same either way).
 
     Returns:
-        :class:`QuantizedRows` with ``payload_nbytes(N, D, bits)`` bytes of records.
+        :class:`QuantizedRows` with ``payload_nbytes(N, D, bits)`` bytes of records and the
+        true per-row ``mn`` / ``rng``.
 
     Raises:
         ValueError: ``bits`` unsupported, ``x`` not 2-D or not floating, NaN/inf in ``x``, or a
-            row whose ``max - min`` overflows float32.
+            row whose grid leaves +-3.396e38 (module docstring).
     """
     bits = _check_bits(bits)
     x = _as_2d_float(x)
@@ -385,7 +544,7 @@ def quantize(
     levels = (1 << bits) - 1
     nb = packed_row_nbytes(d, bits)
     if out is None:
-        buf = _empty((n, META_NBYTES + nb), torch.uint8, dev)
+        buf = _empty((n, META_NBYTES + nb), torch.uint8, dev, hugepages)
     else:
         if (
             out.dtype != torch.uint8
@@ -397,7 +556,9 @@ def quantize(
                 f"out must be uint8 of shape {(n, META_NBYTES + nb)} on {dev} with unit column stride"
             )
         buf = out
-    result = QuantizedRows(buf, bits, (n, d))
+    mn = torch.zeros(n, dtype=torch.float32, device=dev)
+    rng = torch.zeros(n, dtype=torch.float32, device=dev)
+    result = QuantizedRows(buf, bits, (n, d), mn, rng)
     if n == 0:
         return result
     if d == 0:
@@ -405,9 +566,10 @@ def quantize(
         return result
 
     lim = float(levels * _ONE)
-    mn = torch.empty(n, dtype=torch.float32, device=dev)
-    rng = torch.empty(n, dtype=torch.float32, device=dev)
-    scale = torch.empty(n, dtype=torch.float32, device=dev)
+    lim_t = torch.tensor(lim, dtype=torch.float32)
+    lo = torch.empty(n, dtype=torch.float32, device=dev)
+    rng16 = torch.empty(n, dtype=torch.float32, device=dev)  # the stored ranges R
+    mx = torch.empty(n, dtype=torch.float32, device=dev)
     rows = _chunk_rows(n, d, dev)
     work = torch.empty((rows, d), dtype=torch.float32, device=dev)
     fixed = work.view(torch.int32)  # the int32 fixed point overwrites the float work in place
@@ -415,7 +577,7 @@ def quantize(
     rand = torch.empty(-(-rows * d // 4), dtype=torch.int64, device=dev)
     dither = torch.empty((rows, d), dtype=torch.int32, device=dev)
     packed = buf[:, META_NBYTES:]
-    u16 = _uint16_copy_ok(dev)
+    u16 = _uint16_copy_ok(dev.type)
     if bits < 8:
         lv = torch.zeros((rows, nb * (8 // bits)), dtype=torch.uint8, device=dev)  # padding stays 0
         words = lv.view(_WORD_DTYPE[bits])  # [rows, nb]: one word per packed byte
@@ -424,30 +586,34 @@ def quantize(
     for s in range(0, n, rows):
         e = min(n, s + rows)
         r = e - s
-        xc, mnc, rngc, sc = x[s:e], mn[s:e], rng[s:e], scale[s:e]
-        # Row statistics per chunk, while the chunk is in cache (x is read from memory once).
+        xc, mnc, mxc = x[s:e], mn[s:e], mx[s:e]
+        # Row statistics and grid per chunk, while the chunk is in cache (x is read once).
         torch.amin(xc, dim=1, out=mnc)
-        torch.amax(xc, dim=1, out=rngc)
-        rngc.sub_(mnc)  # NaN/inf if the row holds NaN/inf or the range overflows
-        # Fixed-point scale: T = (x - mn) * sc in units of 2^-16 level; constant rows get 0.
-        torch.reciprocal(rngc, out=sc)
-        sc.mul_(lim)
-        sc.masked_fill_(rngc == 0, 0.0)
+        torch.amax(xc, dim=1, out=mxc)
+        loc, rc = _grid(mnc, mxc, lo[s:e], rng16[s:e])
+        # Fixed-point scale: T = (x - lo) * sc in units of 2^-16 level.  One reduction checks
+        # the grid bounds (NaN/inf rows give NaN/inf) and that the float32 scale is finite
+        # (R * sc is ~lim, inf for tiny ranges, NaN for R = 0, which fmax ignores).
+        sc = torch.reciprocal(rc).mul_(lim_t)
+        check = torch.maximum(loc + rc, loc.neg())
+        torch.fmax(check, rc * sc, out=check)
         w = work[:r]
-        if bool(torch.isfinite(sc * rngc).all()):
-            torch.sub(xc, mnc[:, None], out=w)
+        if float(check.amax()) <= _GRID_MAX:
+            sc.nan_to_num_(nan=0.0, posinf=0.0)  # R = 0 (x == lo): any finite scale gives T = 0
+            torch.sub(xc, loc[:, None], out=w)
             w.mul_(sc[:, None])
         else:
-            if not bool(torch.isfinite(rngc).all()):
-                _raise_non_finite(mnc, torch.amax(xc, dim=1), s)
-            # Ranges below ~1e-32 (subnormal data): the float32 scale overflows.  This chunk is
-            # computed in float64, where every float32 range has a finite scale.
+            ok = _grid_ok(loc, rc)
+            if not bool(ok.all()):
+                _raise_bad_rows(mnc, mxc, ok, s)
+            # Grid ranges below ~5e-32 (subnormal data): the float32 scale overflows.  This
+            # chunk is computed in float64, where every float32 range has a finite scale.
             if work64 is None:
                 work64 = torch.empty((rows, d), dtype=torch.float64, device=dev)
-            r64 = rngc.double()
+            r64 = rc.double()
             sc64 = torch.where(r64 > 0, lim / r64, torch.zeros_like(r64))
             w64 = work64[:r]
-            torch.sub(xc, mnc.double()[:, None], out=w64)
+            torch.sub(xc, loc.double()[:, None], out=w64)
             w64.mul_(sc64[:, None])
             w.copy_(w64.clamp_max_(lim))
         w.clamp_max_(lim)  # absorbs float error: T <= L 2^16 so q <= L
@@ -476,9 +642,28 @@ def quantize(
             torch.mul(wv, _PACK_MUL[bits], out=tv)
             tv.bitwise_right_shift_(_PACK_SHIFT[bits])
         packed[s:e].copy_(tv)  # the low byte of every word
-    buf[:, 0:4].copy_(mn.view(torch.uint8).view(n, 4))
-    buf[:, 4:8].copy_(rng.view(torch.uint8).view(n, 4))
+    torch.sub(mx, mn, out=rng)
+    _write_metadata(buf, lo, rng16.view(torch.int32), mn, rng)
     return result
+
+
+def _write_metadata(buf: Tensor, lo: Tensor, rbits: Tensor, mn: Tensor, rng: Tensor) -> None:
+    """Writes the 16-bit fields of every record (``rbits``: float32 patterns of the ranges,
+    overwritten), then the exact form of constant rows whose value is not a bfloat16."""
+    n = buf.shape[0]
+    # One int32 word per row, little-endian [lo16 | R16]: the high half of lo's pattern and
+    # bits 30..15 of R's (R >= 0, its low 15 bits are 0).
+    word = rbits.bitwise_right_shift_(15).bitwise_left_shift_(16)
+    word.bitwise_or_(torch.bitwise_right_shift(lo.view(torch.int32), 16).bitwise_and_(0xFFFF))
+    buf[:, :META_NBYTES].copy_(word.view(torch.uint8).view(n, 4))
+    if float(rng.amin()) > 0:  # (a min reduction is much cheaper than a bool any())
+        return
+    exact = (rng == 0).logical_and_(mn.view(torch.int32).bitwise_and(0xFFFF) != 0)
+    if bool(exact.any()):
+        idx = torch.nonzero(exact).squeeze(1)
+        c = mn.index_select(0, idx).view(torch.uint8).view(-1, 4)  # little-endian bytes b0..b3
+        mark = torch.full_like(c[:, 0], _CONST_MARK >> 8)
+        buf[idx, 0:5] = torch.stack([c[:, 2], c[:, 3], c[:, 1], mark, c[:, 0]], dim=1)
 
 
 def _unpack_into(words: Tensor, tmp: Tensor, bits: int) -> None:
@@ -503,33 +688,34 @@ def _unpack_into(words: Tensor, tmp: Tensor, bits: int) -> None:
         words.bitwise_or_(tmp)
 
 
-def dequantize(q: QuantizedRows, out: Tensor | None = None) -> Tensor:
-    """Reconstructs ``x^ = mn + q * rng / (2^b - 1)`` row by row.
+def dequantize(q: QuantizedRows, out: Tensor | None = None, *, hugepages: bool = True) -> Tensor:
+    """Reconstructs ``x^ = lo + q * R / (2^b - 1)`` row by row from the stored grid.
 
     Args:
         q: A message from :func:`quantize` or :meth:`QuantizedRows.from_bytes`.
         out: Optional ``[N, D]`` float32 tensor to write into (saves the allocation).
+        hugepages: Give a large (>= 8 MiB) CPU output allocated here ``MADV_HUGEPAGE``
+            advice (speed only).
 
     Returns:
         ``[N, D]`` float32 on ``q.buffer``'s device (``out`` if given).  Constant rows come back
-        exactly; 1-bit rows hold only ``mn`` and ``mn + rng`` (= max up to float32 rounding).
+        exactly; 1-bit rows hold only ``grid_lo`` and ``grid_lo + grid_range``.
     """
     n, d = q.shape
     bits = _check_bits(q.bits)
     dev = q.buffer.device
     if out is None:
-        out = _empty((n, d), torch.float32, dev)
+        out = _empty((n, d), torch.float32, dev, hugepages)
     elif out.dtype != torch.float32 or tuple(out.shape) != (n, d) or out.device != dev:
         raise ValueError(f"out must be float32 of shape {(n, d)} on {dev}")
     if n == 0 or d == 0:
         return out
-    mn = q.mn
-    rng = q.rng
-    step = rng / float((1 << bits) - 1)
+    lo, rng16 = _decode_grid(q.buffer)
+    step = rng16 / float((1 << bits) - 1)
     if bool(((step < _TINY32) & (step > 0)).any()):
         # Subnormal steps (ranges below ~1e-36) have too few significant bits: scale in float64.
-        step = rng.double() / float((1 << bits) - 1)
-        mn = mn.double()
+        step = rng16.double() / float((1 << bits) - 1)
+        lo = lo.double()
         work = torch.empty((min(n, _chunk_rows(n, d, dev)), d), dtype=torch.float64, device=dev)
     else:
         work = None
@@ -553,7 +739,7 @@ def dequantize(q: QuantizedRows, out: Tensor | None = None) -> Tensor:
         o = out[s:e] if work is None else work[:r]
         o.copy_(src)
         o.mul_(step[s:e, None])
-        o.add_(mn[s:e, None])
+        o.add_(lo[s:e, None])
         if work is not None:
             out[s:e].copy_(o)
     return out
@@ -563,8 +749,9 @@ def dequantize(q: QuantizedRows, out: Tensor | None = None) -> Tensor:
 def row_variance(x: Tensor, bits: int) -> Tensor:
     """Exact expected squared error of :func:`quantize` per row.
 
-    ``sum_j (x_j - lo_j)(hi_j - x_j)`` with ``lo_j``/``hi_j`` the levels around ``x_j``, i.e.
-    ``step^2 sum_j f_j (1 - f_j)`` with ``f_j`` the fractional part of ``(x_j - mn) / step``.
+    ``sum_j (x_j - lo_j)(hi_j - x_j)`` with ``lo_j``/``hi_j`` the levels of the stored grid
+    around ``x_j``, i.e. ``step^2 sum_j f_j (1 - f_j)`` with ``step = R / L`` and ``f_j`` the
+    fractional part of ``(x_j - lo) / step``.
 
     Args:
         x: ``[N, D]`` floating tensor.
@@ -578,12 +765,35 @@ def row_variance(x: Tensor, bits: int) -> Tensor:
     n, d = x.shape
     if n == 0 or d == 0:
         return torch.zeros(n, dtype=torch.float64, device=x.device)
-    mn, _, rng = _row_min_max(x)
+    lo, rng16 = _row_grid(x)
     levels = (1 << bits) - 1
-    step = rng.double() / levels
-    t = (x.double() - mn.double()[:, None]) / torch.where(step > 0, step, torch.ones_like(step))[:, None]
+    step = rng16.double() / levels
+    t = (x.double() - lo.double()[:, None]) / torch.where(step > 0, step, torch.ones_like(step))[:, None]
     f = t - torch.floor(t)
     return (f * (1.0 - f)).sum(dim=1) * step * step
+
+
+def _grid_range_sq(mn: Tensor | float, mx: Tensor | float) -> Tensor | float:
+    """``R^2`` (float64) of the stored grid of rows with float32 min ``mn`` and max ``mx``."""
+    scalar = not (isinstance(mn, Tensor) or isinstance(mx, Tensor))
+    mn_t = torch.as_tensor(mn, dtype=torch.float32)
+    mx_t = torch.as_tensor(mx, dtype=torch.float32, device=mn_t.device)
+    mn_t, mx_t = torch.broadcast_tensors(mn_t, mx_t)
+    shape = mn_t.shape
+    _, rng16, _ = _effective_grid(mn_t.reshape(-1).contiguous(), mx_t.reshape(-1).contiguous())
+    r2 = rng16.double().reshape(shape) ** 2
+    return float(r2) if scalar else r2
+
+
+def variance_bound(mn: Tensor | float, mx: Tensor | float, row_len: int, bits: int) -> Tensor | float:
+    """Worst-case expected squared error of a row: ``D R^2 / (4 (2^b - 1)^2)``.
+
+    ``R`` is the stored grid range of a row with float32 minimum ``mn`` and maximum ``mx``
+    (module docstring: ``max - min`` widened by less than ``2^-8 R + 2^-7 |min|``).  Attained
+    when every element lies halfway between two levels.  Tensors give float64.
+    """
+    levels = (1 << _check_bits(bits)) - 1
+    return _grid_range_sq(mn, mx) * (row_len / (4.0 * levels * levels))
 
 
 def _range_sq(mn: Tensor | float, mx: Tensor | float) -> Tensor | float:
@@ -594,21 +804,14 @@ def _range_sq(mn: Tensor | float, mx: Tensor | float) -> Tensor | float:
     return (float(mx) - float(mn)) ** 2
 
 
-def variance_bound(mn: Tensor | float, mx: Tensor | float, row_len: int, bits: int) -> Tensor | float:
-    """Worst-case expected squared error of a row: ``D (mx - mn)^2 / (4 (2^b - 1)^2)``.
-
-    Attained when every element lies halfway between two levels.  Tensors give float64.
-    """
-    levels = (1 << _check_bits(bits)) - 1
-    return _range_sq(mn, mx) * (row_len / (4.0 * levels * levels))
-
-
 def adaqp_variance_model(mn: Tensor | float, mx: Tensor | float, row_len: int, bits: int) -> Tensor | float:
     """AdaQP's per-row variance model ``D (mx - mn)^2 / (6 (2^b - 1)^2)``.
 
     The mean of :func:`row_variance` when the elements' positions between levels are uniform
-    (``E[f (1 - f)] = 1/6`` for ``f ~ U[0, 1)``); AdaQP uses it to assign bit-widths.
-    Tensors give float64.
+    (``E[f (1 - f)] = 1/6``) and the grid is exactly ``[mn, mx]``; AdaQP uses it, on the true
+    range (:attr:`QuantizedRows.rng`), to assign bit-widths.  The stored 16-bit grid is a
+    little wider, which the model ignores (at most +2.4% when ``|mn| <= mx - mn``, module
+    docstring).  Tensors give float64.
     """
     levels = (1 << _check_bits(bits)) - 1
     return _range_sq(mn, mx) * (row_len / (6.0 * levels * levels))

@@ -1,26 +1,37 @@
-r"""Bounded-staleness pipeline state (Sylvie's asynchronous mode, after PipeGCN).
+r"""Bounded-staleness pipeline buffers (Sylvie's asynchronous mode, after PipeGCN).
 
-In an *asynchronous* epoch :math:`t` layer :math:`l` of rank :math:`r` consumes the halo rows
-that their owners sent during epoch :math:`t-1` and launches the transfer of its own
-boundary rows for epoch :math:`t+1` without waiting; in backward, the halo-row gradients of
-epoch :math:`t` are launched likewise and the owners add them in epoch :math:`t+1`:
+The schedule (decided by :class:`~lightning_fullgraph.comm.policy.SylviePolicy`): epoch
+:math:`t` is *synchronous* when :math:`t \bmod \varepsilon = 0` (epoch 0 included) or when the
+epoch-adaptive rule asked for it; otherwise it is *asynchronous*.  Per layer :math:`l`, rank
+:math:`r` and owner :math:`q`:
+
+* synchronous epoch: the halo rows of this epoch's :math:`\mathbf{X}^{(l)}` are exchanged and
+  waited for; in backward the halo-row gradients go home and are added at once (exact).  Both
+  received blocks are kept: :math:`\mathbf{H}^{(l)}_r` (``[H, F]``) and
+  :math:`\mathbf{G}^{(l)}_q` (``[S, F]``, one row per row :math:`q` sends);
+* asynchronous epoch: layer :math:`l` consumes :math:`\mathbf{H}^{(l)}_r` -- received during
+  epoch :math:`t-1` -- and in backward adds :math:`\mathbf{G}^{(l)}_q` (received during epoch
+  :math:`t-1`) into the owners' gradients; this epoch's rows and gradients are sent in the
+  background and become :math:`\mathbf{H}, \mathbf{G}` of epoch :math:`t+1`:
 
 .. math::
     \mathbf{H}^{(l)}_r[t] = \mathrm{halo}\big(\mathbf{X}^{(l)}[t-1]\big), \qquad
     \nabla \mathbf{X}^{(l)}_q[t] \mathrel{+}= \mathrm{home}\big(\nabla \mathbf{H}^{(l)}[t-1]\big)
 
-Every ``staleness``-th epoch (``epoch % staleness == 0``, epoch 0 included) is
-*synchronous*: in-flight transfers are first drained (the reference code races here), then
-fresh rows are exchanged and waited for, so no value used is more than ``staleness - 1``
-epochs old and the first epoch never feeds zeros to the model.  Gradients still in flight
-when a synchronous epoch starts belong to weights already updated; they are drained and
-dropped.
+* an asynchronous epoch followed by a synchronous (or no) epoch sends nothing: its payload
+  would be replaced by the fresh exchange.  So every transfer is consumed, and every epoch's
+  update includes the remote gradient contributions of the epoch before (or of its own, when
+  synchronous): no value used is more than one epoch old, and at most ``eps - 1`` consecutive
+  epochs use stale values.
 
-Optional PipeGCN smoothing (``smoothing = gamma``): the consumed halo rows and/or returned
-gradients are exponential moving averages ``avg <- gamma * avg + (1 - gamma) * received``.
+Optional PipeGCN smoothing (``smoothing = gamma``): the consumed halo rows and/or gradients
+are exponential moving averages, updated once per *received* block: a synchronous receipt
+resets the average, an asynchronous one does ``avg <- gamma * avg + (1 - gamma) * received``.
+Because the update happens when a block lands -- however early it is waited for -- draining
+the pipeline (to write a checkpoint) never changes what training sees.
 
-The state (received buffers, their epochs, smoothing averages) is drained into plain tensors
-by :meth:`StalenessState.state_dict`, so a checkpoint resumes exactly.
+:meth:`StalenessState.state_dict` waits for the transfers in flight and returns plain
+tensors, so a checkpoint resumes bit for bit.
 """
 
 from __future__ import annotations
@@ -32,7 +43,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["LayerPipe", "StalenessState"]
+__all__ = ["SMOOTH_CHOICES", "LayerPipe", "StalenessState"]
+
+SMOOTH_CHOICES: tuple[str, ...] = ("features", "gradients", "both")
 
 
 @dataclass
@@ -40,13 +53,14 @@ class LayerPipe:
     """Pipeline buffers of one layer on one rank.
 
     Attributes:
-        halo: ``[H, F]`` halo rows to consume next (received, or being received).
-        halo_epoch: Epoch in which ``halo`` was sent.
+        halo: ``[H, F]`` halo rows to consume next (the smoothing average when on).
+        halo_epoch: Epoch in which the newest received halo block was sent.
         fwd_pending: Waits for the forward transfer in flight and returns its rows.
         fwd_epoch: Epoch in which the in-flight forward transfer was launched.
-        grad: ``[S, F]`` stale gradients of the rows this rank sends (to add next backward).
-        grad_pending: Waits for the gradient transfer in flight.
-        halo_avg, grad_avg: Smoothing averages (``None`` until first use / when off).
+        grad: ``[S, F]`` gradients of the rows this rank sends, to add in the next backward
+            (the smoothing average when on).
+        grad_epoch: Epoch in which the newest received gradient block was sent.
+        grad_pending, grad_pending_epoch: The gradient transfer in flight.
     """
 
     halo: Tensor | None = None
@@ -54,26 +68,14 @@ class LayerPipe:
     fwd_pending: Callable[[], Tensor] | None = None
     fwd_epoch: int = -1
     grad: Tensor | None = None
+    grad_epoch: int = -1
     grad_pending: Callable[[], Tensor] | None = None
-    halo_avg: Tensor | None = None
-    grad_avg: Tensor | None = None
-
-    def land_forward(self) -> None:
-        """Waits for the forward transfer in flight (if any) and keeps its rows."""
-        if self.fwd_pending is not None:
-            self.halo = self.fwd_pending()
-            self.halo_epoch = self.fwd_epoch
-            self.fwd_pending = None
-
-    def land_gradient(self) -> None:
-        if self.grad_pending is not None:
-            self.grad = self.grad_pending()
-            self.grad_pending = None
+    grad_pending_epoch: int = -1
 
 
 @dataclass
 class StalenessState:
-    """Schedule and buffers of the asynchronous pipeline of one rank.
+    """Buffers of the asynchronous pipeline of one rank (the schedule lives in the policy).
 
     Args:
         staleness: ``eps >= 1``; every ``eps``-th epoch is synchronous (``1``: always).
@@ -85,9 +87,8 @@ class StalenessState:
     smoothing: float | None = None
     smooth: str = "both"
     epoch: int = 0
-    force_sync: bool = False
     layers: dict[int, LayerPipe] = field(default_factory=dict)
-    # instrumentation: (epoch, layer, age) of every consumed halo block of this epoch
+    # instrumentation: (epoch, layer, age in epochs) of every consumed halo block this epoch
     ages: list[tuple[int, int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -95,34 +96,55 @@ class StalenessState:
             raise ValueError(f"staleness must be >= 1, got {self.staleness}")
         if self.smoothing is not None and not 0.0 <= self.smoothing < 1.0:
             raise ValueError(f"smoothing must lie in [0, 1), got {self.smoothing}")
-        if self.smooth not in ("features", "gradients", "both"):
-            raise ValueError(f"smooth={self.smooth!r}; choose features, gradients or both")
-
-    def is_sync(self, epoch: int | None = None) -> bool:
-        epoch = self.epoch if epoch is None else epoch
-        return self.force_sync or epoch % self.staleness == 0
+        if self.smooth not in SMOOTH_CHOICES:
+            raise ValueError(f"smooth={self.smooth!r}; choose one of {SMOOTH_CHOICES}")
 
     def layer(self, index: int) -> LayerPipe:
         return self.layers.setdefault(index, LayerPipe())
 
-    def begin_epoch(self, epoch: int) -> bool:
-        """Starts a training step of ``epoch``; drains in-flight transfers before a
-        synchronous one. Returns whether the step is synchronous."""
+    def begin_epoch(self, epoch: int, synchronous: bool) -> None:
         self.epoch = epoch
         self.ages.clear()
-        sync = self.is_sync()
-        if sync:
-            self.drain(drop_gradients=True)
-        return sync
+        if synchronous:
+            # nothing is in flight under the policy's schedule; after a schedule change the
+            # blocks land (and count) before the fresh exchange replaces them
+            self.drain()
 
-    def drain(self, drop_gradients: bool = False) -> None:
-        """Waits for every transfer in flight."""
+    # -- receiving ------------------------------------------------------------------------
+    def _smooths(self, what: str) -> bool:
+        return self.smoothing is not None and self.smooth in (what, "both")
+
+    def _blend(self, old: Tensor | None, new: Tensor, synchronous: bool, what: str) -> Tensor:
+        if synchronous or old is None or not self._smooths(what) or old.shape != new.shape:
+            return new
+        assert self.smoothing is not None
+        return old.mul(self.smoothing).add_(new, alpha=1.0 - self.smoothing)
+
+    def receive_halo(self, pipe: LayerPipe, rows: Tensor, sent_epoch: int, synchronous: bool) -> None:
+        """Keeps a received halo block (updating the average once per block)."""
+        pipe.halo = self._blend(pipe.halo, rows, synchronous, "features")
+        pipe.halo_epoch = sent_epoch
+
+    def receive_grad(self, pipe: LayerPipe, rows: Tensor, sent_epoch: int, synchronous: bool) -> None:
+        pipe.grad = self._blend(pipe.grad, rows, synchronous, "gradients")
+        pipe.grad_epoch = sent_epoch
+
+    def land_forward(self, pipe: LayerPipe) -> None:
+        """Waits for the forward transfer in flight (if any) and keeps its rows."""
+        if pipe.fwd_pending is not None:
+            finish, pipe.fwd_pending = pipe.fwd_pending, None
+            self.receive_halo(pipe, finish(), pipe.fwd_epoch, synchronous=False)
+
+    def land_gradient(self, pipe: LayerPipe) -> None:
+        if pipe.grad_pending is not None:
+            finish, pipe.grad_pending = pipe.grad_pending, None
+            self.receive_grad(pipe, finish(), pipe.grad_pending_epoch, synchronous=False)
+
+    def drain(self) -> None:
+        """Waits for every transfer in flight (values land exactly as they would later)."""
         for pipe in self.layers.values():
-            pipe.land_forward()
-            pipe.land_gradient()
-            if drop_gradients:
-                pipe.grad = None
-                pipe.grad_avg = None
+            self.land_forward(pipe)
+            self.land_gradient(pipe)
 
     def abandon(self) -> None:
         """Forgets in-flight transfers without waiting (after a failure: a peer may be gone)."""
@@ -130,45 +152,26 @@ class StalenessState:
             pipe.fwd_pending = None
             pipe.grad_pending = None
 
-    def smooth_halo(self, pipe: LayerPipe, fresh: bool) -> Tensor:
-        assert pipe.halo is not None
-        if self.smoothing is None or self.smooth == "gradients":
-            return pipe.halo
-        if pipe.halo_avg is None:
-            pipe.halo_avg = pipe.halo.clone()
-        elif fresh:
-            pipe.halo_avg.mul_(self.smoothing).add_(pipe.halo, alpha=1.0 - self.smoothing)
-        return pipe.halo_avg
-
-    def smooth_grad(self, pipe: LayerPipe, grad: Tensor) -> Tensor:
-        if self.smoothing is None or self.smooth == "features":
-            return grad
-        if pipe.grad_avg is None or pipe.grad_avg.shape != grad.shape:
-            pipe.grad_avg = grad.clone()
-        else:
-            pipe.grad_avg.mul_(self.smoothing).add_(grad, alpha=1.0 - self.smoothing)
-        return pipe.grad_avg
-
     def record_age(self, layer: int, age: int) -> None:
         self.ages.append((self.epoch, layer, age))
 
     # -- checkpointing --------------------------------------------------------------------
+    _KEYS = ("halo", "halo_epoch", "grad", "grad_epoch")
+
     def state_dict(self) -> dict[str, Any]:
-        """Drains in-flight transfers and returns tensors and counters only."""
+        """Waits for in-flight transfers and returns tensors and counters only."""
         self.drain()
-        keys = ("halo", "halo_epoch", "grad", "halo_avg", "grad_avg")
         return {
             "epoch": self.epoch,
-            "force_sync": self.force_sync,
-            "layers": {i: {k: getattr(p, k) for k in keys} for i, p in self.layers.items()},
+            "layers": {i: {k: getattr(p, k) for k in self._KEYS} for i, p in self.layers.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
         self.epoch = int(state["epoch"])
-        self.force_sync = bool(state.get("force_sync", False))
         self.layers = {}
         for i, entry in state["layers"].items():
             pipe = LayerPipe()
             for k, v in entry.items():
-                setattr(pipe, k, v.to(device) if isinstance(v, Tensor) and device is not None else v)
+                if k in self._KEYS:
+                    setattr(pipe, k, v.to(device) if isinstance(v, Tensor) and device is not None else v)
             self.layers[int(i)] = pipe

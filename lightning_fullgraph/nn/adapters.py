@@ -38,17 +38,28 @@ blocks of the same kind.  ``HaloContext(sparse=False)`` (``FullGraphStrategy(
 sparse_aggregation=False)``) keeps PyG's edge path everywhere.
 
 Convs of any other ``MessagePassing`` type raise :class:`UnsupportedConvError` at setup,
-naming the type; :func:`register_conv_adapter` adds one.
+naming the type; :func:`register_conv_adapter` adds one and returns a
+:class:`torch.utils.hooks.RemovableHandle` that takes it away again.  :func:`install_adapters`
+returns an :class:`AdapterHandle` whose ``remove()`` restores every patched conv exactly.
+
+Aggregation scores.  Every message-passing exchange passes ``score=``: a zero-argument callable
+returning, for each halo row :math:`j`, :math:`a_j = \sum_{j \to i} |c_{ij}|` over the local
+edges, where :math:`c_{ij}` is the factor with which :math:`x_j` enters node :math:`i`'s
+aggregation in that conv (the weight of a halo row in AdaQP's variance model; see
+:meth:`HaloContext.score`).  It costs nothing unless called and is cached per conv
+configuration and graph when it is.
 """
 
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 from torch_geometric.nn import MessagePassing
 from torch_geometric.nn.conv import (
     GATConv,
@@ -73,6 +84,7 @@ from lightning_fullgraph.nn.sparse import (
 )
 
 __all__ = [
+    "AdapterHandle",
     "HaloContext",
     "UnsupportedConvError",
     "install_adapters",
@@ -137,9 +149,64 @@ class HaloContext:
                 f"(the strategy builds and caches the sparse adjacency itself)"
             )
 
-    def exchange(self, x: Tensor) -> Tensor:
-        """``[N_r, F] -> [N_r + H_r, F]``: owned rows followed by the halo rows."""
-        return self.exchanger.exchange(x)
+    def exchange(self, x: Tensor, score: Callable[[], Tensor] | None = None) -> Tensor:
+        """``[N_r, F] -> [N_r + H_r, F]``: owned rows followed by the halo rows.
+
+        ``score``: the halo rows' aggregation scores (:meth:`score`), for the exchanger."""
+        return self.exchanger.exchange(x, score=score)
+
+    def exchange_async(self, x: Tensor, score: Callable[[], Tensor] | None = None) -> Any:
+        """Starts the exchange of ``x``'s halo rows; ``.wait()`` gives them (``[H_r, F]``)."""
+        return self.exchanger.exchange_async(x, score=score)
+
+    def score(
+        self,
+        conv: MessagePassing,
+        edge_index: Tensor,
+        weight: Tensor | None = None,
+        rule: tuple | None = None,
+        sources: tuple[Tensor | None, ...] | None = None,
+    ) -> Callable[[], Tensor]:
+        r"""The halo rows' aggregation scores of ``conv`` on this rank, as a lazy callable.
+
+        The callable returns ``[H_r]`` float32 (on ``edge_index``'s device):
+        :math:`a_j = \sum_{e = (j \to i)} |c_e|` over the local edges ``e`` from halo row
+        ``j`` (all destinations are owned), where :math:`c_e` is the factor with which
+        :math:`x_j` enters :math:`i`'s aggregation:
+
+        * ``("sum",)``: ``|w_e|`` (1 without weights): GIN, GINE (``relu(x_j + e)``, slope at
+          most 1), SAGE / GraphConv ``aggr="add"``, GCN without normalisation.
+        * ``("mean",)``: ``|w_e| / in_deg(i)`` (in-edges counted with multiplicity, as PyG's
+          mean): SAGE / GraphConv ``aggr="mean"``; also the fallback for any aggregation
+          without a fixed coefficient (learned, multi-, std, ...).
+        * ``("max",)``: ``|w_e|`` (1 without weights): max/min aggregation (the factor of the
+          row that wins; no average is taken).
+        * ``("softmax", add_self_loops)``: ``1 / |group(i)|``, the mean of attention weights
+          that sum to 1 over ``i``'s softmax group: its in-edges, with PyG's self-loop rule
+          (existing self-loops replaced by one) when the conv adds self-loops (GAT, GATv2).
+        * GCN passes its normalised edge list (``weight`` = the global-degree values the adapter
+          puts in its CSR / ``gcn_norm`` cache) with ``("sum",)``.
+
+        Args:
+            conv: The conv (names the rule when ``rule`` is ``None``).
+            edge_index: ``[2, E]`` local edges the coefficients refer to.
+            weight: ``[E]`` scalar edge weights the conv multiplies messages by, or ``None``.
+            rule: One of the rules above; default :func:`_score_rule` of ``conv``.
+            sources: The tensors the result is cached on (default ``(edge_index, weight)``).
+
+        Calling it is the only cost: the result is cached per (rule, sources), so every later
+        call with the same graph returns the same tensor.
+        """
+        rule = _score_rule(conv) if rule is None else rule
+        key = (edge_index, weight) if sources is None else sources
+        num_owned, num_halo = self.num_owned, self.exchanger.plan.num_halo
+
+        def score() -> Tensor:
+            return self.cache.get(
+                key, ("score", rule), lambda: halo_scores(edge_index, weight, rule, num_owned, num_halo)
+            )
+
+        return score
 
     def use_sparse(self, conv: MessagePassing, x: Tensor, weight: Tensor | None) -> bool:
         """Whether ``conv`` can aggregate through a CSR adjacency here, exactly.
@@ -221,6 +288,54 @@ class HaloContext:
         return edge_index, deg_inv_sqrt[row] * edge_weight * deg_inv_sqrt[col]
 
 
+# -- aggregation scores -----------------------------------------------------------------
+
+
+def _score_rule(conv: MessagePassing) -> tuple:
+    """The coefficient rule of :meth:`HaloContext.score` for ``conv``."""
+    if isinstance(conv, (GATConv, GATv2Conv)):
+        return ("softmax", bool(conv.add_self_loops))
+    if isinstance(conv, (GINConv, GINEConv)):
+        return ("sum",)
+    aggr = getattr(conv, "aggr", None)
+    if aggr in ("add", "sum"):
+        # Known sum convs only: an unknown conv with aggr="add" may weigh its messages
+        # (attention convs aggregate softmax-weighted messages with "add").
+        return ("sum",) if isinstance(conv, (SAGEConv, GraphConv, GCNConv)) else ("mean",)
+    if aggr in ("max", "min"):
+        return ("max",)
+    return ("mean",)
+
+
+def halo_scores(
+    edge_index: Tensor, weight: Tensor | None, rule: tuple, num_owned: int, num_halo: int
+) -> Tensor:
+    """``[H]`` float32: per halo row, the sum of its out-edges' coefficients under ``rule``
+    (see :meth:`HaloContext.score`); halo row ``j`` is local id ``num_owned + j``."""
+    src, dst = edge_index[0], edge_index[1]
+    device = edge_index.device
+    if weight is None:
+        coef = torch.ones(src.numel(), dtype=torch.float32, device=device)
+    else:
+        coef = weight.detach().abs().to(torch.float32)
+    kind = rule[0]
+    if kind == "mean":
+        count = torch.bincount(dst, minlength=num_owned).to(torch.float32)
+        coef = coef / count[dst]
+    elif kind == "softmax":
+        add_self_loops = rule[1]
+        # With self-loops PyG drops the existing ones and adds one per node; a self-loop is
+        # never a halo edge, so only the group size changes.
+        keep = src != dst if add_self_loops else torch.ones_like(src, dtype=torch.bool)
+        count = torch.bincount(dst[keep], minlength=num_owned).to(torch.float32) + float(add_self_loops)
+        coef = coef / count[dst]
+    elif kind not in ("sum", "max"):
+        raise ValueError(f"unknown score rule {rule!r}")
+    halo = src >= num_owned
+    out = torch.zeros(num_halo, dtype=torch.float32, device=device)
+    return out.index_add_(0, src[halo] - num_owned, coef[halo])
+
+
 # -- adapters ---------------------------------------------------------------------------
 
 
@@ -246,20 +361,22 @@ def _bipartite(conv, forward, ctx: HaloContext, x: Tensor, edge_index, args: tup
         rest_args, rest_kwargs = args[1:], {k: v for k, v in kwargs.items() if k != "edge_weight"}
     else:
         rest_args, rest_kwargs = args, kwargs
+    # Only GraphConv multiplies its messages by a scalar edge weight.
+    score = ctx.score(conv, edge_index, weight if values == "edge_weight" else None)
     if values is not None and not rest_args and not rest_kwargs and ctx.use_sparse(conv, x, weight):
         # The conv's own fused path (message_and_aggregate -> torch.sparse.mm) on cached CSR blocks.
         if not ctx.overlap or (split := ctx.split(edge_index, weight, sparse=True, dtype=_csr_dtype(x))) is None:
-            return forward((ctx.exchange(x), x), ctx.adjacency(edge_index, weight, _csr_dtype(x)))
-        pending = ctx.exchanger.exchange_async(x)
+            return forward((ctx.exchange(x, score), x), ctx.adjacency(edge_index, weight, _csr_dtype(x)))
+        pending = ctx.exchange_async(x, score)
         out_c = forward((x, x[split.central]), split.central_block)
         x_full = torch.cat([x, pending.wait()], dim=0)
         out_m = forward((x_full, x[split.marginal]), split.marginal_block)
         return split.merge(out_c, out_m)
     split = ctx.split(edge_index) if ctx.overlap and not args and not kwargs else None
     if split is None:
-        return forward((ctx.exchange(x), x), edge_index, *args, size=(ctx.num_full, ctx.num_owned), **kwargs)
+        return forward((ctx.exchange(x, score), x), edge_index, *args, size=(ctx.num_full, ctx.num_owned), **kwargs)
     # Central rows need no halo: aggregate them while the exchange is in flight.
-    pending = ctx.exchanger.exchange_async(x)
+    pending = ctx.exchange_async(x, score)
     out_c = forward((x, x[split.central]), split.central_block, size=(ctx.num_owned, split.central.numel()))
     x_full = torch.cat([x, pending.wait()], dim=0)
     out_m = forward((x_full, x[split.marginal]), split.marginal_block, size=(ctx.num_full, split.marginal.numel()))
@@ -277,23 +394,29 @@ def _slice_output(out: Any, n: int) -> Any:
 def _full_then_slice(conv, forward, ctx: HaloContext, x: Tensor, edge_index, args: tuple, kwargs: dict):
     if kwargs.get("size") is not None:
         raise ValueError(f"{type(conv).__name__}: do not pass `size=` under FullGraphStrategy; it is set for you")
-    return _slice_output(forward(ctx.exchange(x), edge_index, *args, **kwargs), ctx.num_owned)
+    x_full = ctx.exchange(x, ctx.score(conv, edge_index))
+    return _slice_output(forward(x_full, edge_index, *args, **kwargs), ctx.num_owned)
 
 
 def _gcn(conv: GCNConv, forward, ctx: HaloContext, x: Tensor, edge_index, args: tuple, kwargs: dict):
     edge_weight = args[0] if args else kwargs.pop("edge_weight", None)
     if conv.flow != "source_to_target":
         raise UnsupportedConvError("GCNConv with flow='target_to_source' is not supported by FullGraphStrategy")
+    sources = (edge_index, edge_weight)
     if conv.normalize:
         edge_index, weight = ctx.gcn_norm(edge_index, edge_weight, conv.improved, conv.add_self_loops, x.dtype)
     else:
         weight = edge_weight
+    # The coefficients are the values aggregated below (global-degree normalisation or the
+    # raw weights), cached on the user's tensors and this conv's normalisation options.
+    rule = ("sum", "gcn", bool(conv.normalize), bool(conv.improved), bool(conv.add_self_loops))
+    score = ctx.score(conv, edge_index, weight, rule=rule, sources=sources)
     sparse = ctx.use_sparse(conv, x, weight)
     split = ctx.split(edge_index, weight, sparse=sparse, dtype=_csr_dtype(x)) if ctx.overlap else None
     if split is not None:
         # out = A_hat (X W) + b, computed as central rows (owned sources only) while the halo
         # is in flight, then marginal rows; lin is applied once per row.
-        pending = ctx.exchanger.exchange_async(x)
+        pending = ctx.exchange_async(x, score)
         h = conv.lin(x)
         if sparse:
             out_c = conv.propagate(split.central_block, x=h, edge_weight=None)
@@ -312,8 +435,8 @@ def _gcn(conv: GCNConv, forward, ctx: HaloContext, x: Tensor, edge_index, args: 
     normalize, conv.normalize = conv.normalize, False
     try:
         if sparse:
-            return forward(ctx.exchange(x), ctx.adjacency(edge_index, weight, _csr_dtype(x)))
-        out = forward(ctx.exchange(x), edge_index, weight)
+            return forward(ctx.exchange(x, score), ctx.adjacency(edge_index, weight, _csr_dtype(x)))
+        out = forward(ctx.exchange(x, score), edge_index, weight)
     finally:
         conv.normalize = normalize
     return out[: ctx.num_owned]
@@ -331,7 +454,13 @@ _ADAPTERS: dict[type, ConvAdapter] = {
 _KINDS: dict[str, ConvAdapter] = {"bipartite": _bipartite, "full_then_slice": _full_then_slice}
 
 
-def register_conv_adapter(cls: type[MessagePassing], adapter: str | ConvAdapter = "bipartite") -> None:
+# Registrations made with `register_conv_adapter`, per conv type, in registration order (keyed
+# by handle id; the newest one wins, the built-in `_ADAPTERS` entry is the floor).  Ordered
+# dicts: `RemovableHandle` holds its dict by weak reference, which a plain dict does not allow.
+_REGISTERED: dict[type, OrderedDict[int, ConvAdapter]] = {}
+
+
+def register_conv_adapter(cls: type[MessagePassing], adapter: str | ConvAdapter = "bipartite") -> RemovableHandle:
     """Declares how a conv type is made partition-aware.
 
     Args:
@@ -341,6 +470,12 @@ def register_conv_adapter(cls: type[MessagePassing], adapter: str | ConvAdapter 
             in-edges), ``"full_then_slice"`` for convs that accept only one feature matrix
             but whose owned outputs do not depend on the rows of halo nodes beyond their
             messages, or a callable ``adapter(conv, forward, ctx, x, edge_index, args, kwargs)``.
+
+    Returns:
+        A :class:`torch.utils.hooks.RemovableHandle`: ``handle.remove()`` (idempotent) takes
+        this registration away; the type's adapter is then again the one it replaced (an
+        earlier registration still in place, else the built-in one, else none).  Also a
+        context manager.  Convs already patched keep their adapter until re-installed.
     """
     if not (isinstance(cls, type) and issubclass(cls, MessagePassing)):
         raise TypeError(f"expected a MessagePassing subclass, got {cls!r}")
@@ -348,18 +483,31 @@ def register_conv_adapter(cls: type[MessagePassing], adapter: str | ConvAdapter 
         if adapter not in _KINDS:
             raise ValueError(f"unknown adapter kind {adapter!r}; use one of {sorted(_KINDS)} or a callable")
         adapter = _KINDS[adapter]
-    _ADAPTERS[cls] = adapter
+    elif not callable(adapter):
+        raise TypeError(f"adapter must be one of {sorted(_KINDS)} or a callable, got {adapter!r}")
+    registrations = _REGISTERED.setdefault(cls, OrderedDict())
+    handle = RemovableHandle(registrations)
+    registrations[handle.id] = adapter
+    return handle
+
+
+def _adapter_of(cls: type) -> ConvAdapter | None:
+    registrations = _REGISTERED.get(cls)
+    if registrations:
+        return next(reversed(registrations.values()))
+    return _ADAPTERS.get(cls)
 
 
 def supported_convs() -> list[str]:
     """Names of the conv types with an adapter."""
-    return sorted(c.__name__ for c in _ADAPTERS)
+    return sorted({c.__name__ for c in _ADAPTERS} | {c.__name__ for c, r in _REGISTERED.items() if r})
 
 
 def _find_adapter(conv: MessagePassing) -> ConvAdapter | None:
     for cls in type(conv).__mro__:
-        if cls in _ADAPTERS:
-            return _ADAPTERS[cls]
+        adapter = _adapter_of(cls)
+        if adapter is not None:
+            return adapter
         if cls is MessagePassing:
             break
     return None
@@ -372,18 +520,89 @@ def _split_x_edge_index(args: tuple, kwargs: dict) -> tuple[Any, Any, tuple, dic
     return x, edge_index, tuple(args), kwargs
 
 
-_PATCH_ATTR = "_fullgraph_original_forward"
+# Instance attribute holding a patched conv's `_Patch` record (removed with the patch).
+_PATCH_ATTR = "_fullgraph_patch"
+_MISSING = object()
 
 
-def install_adapters(module: nn.Module, ctx: HaloContext) -> list[MessagePassing]:
+class _Patch:
+    """What :func:`install_adapters` set on one conv's instance dict, and what was there before."""
+
+    __slots__ = ("saved",)
+
+    def __init__(self) -> None:
+        self.saved: dict[str, Any] = {}
+
+    def set(self, conv: nn.Module, name: str, value: Any) -> None:
+        if name not in self.saved:
+            self.saved[name] = conv.__dict__.get(name, _MISSING)
+        # object.__setattr__: nn.Module.__setattr__ would route Modules/Parameters elsewhere.
+        object.__setattr__(conv, name, value)
+
+    def undo(self, conv: nn.Module) -> None:
+        for name, before in reversed(self.saved.items()):
+            if before is _MISSING:
+                conv.__dict__.pop(name, None)
+            else:
+                conv.__dict__[name] = before
+        self.saved.clear()
+
+
+def _unpatch(conv: nn.Module, patch: _Patch | None = None) -> None:
+    """Restores ``conv`` if it carries a patch (only ``patch`` when given)."""
+    current = conv.__dict__.get(_PATCH_ATTR)
+    if current is None or (patch is not None and current is not patch):
+        return
+    del conv.__dict__[_PATCH_ATTR]
+    current.undo(conv)
+
+
+class AdapterHandle:
+    """The patches :func:`install_adapters` made; ``remove()`` takes them all back.
+
+    After ``remove()`` every conv's instance dict is what it was before installation (an
+    instance-level ``forward`` the user had set is put back; attributes that were not there
+    are gone).  Idempotent; a conv re-patched since by another installation is left alone.
+    Iterating gives the patched convs; also a context manager.
+    """
+
+    def __init__(self, patches: list[tuple[MessagePassing, _Patch]]) -> None:
+        self._patches = patches
+
+    @property
+    def convs(self) -> list[MessagePassing]:
+        return [conv for conv, _ in self._patches]
+
+    def __iter__(self):
+        return iter(self.convs)
+
+    def __len__(self) -> int:
+        return len(self._patches)
+
+    def remove(self) -> None:
+        patches, self._patches = self._patches, []
+        for conv, patch in reversed(patches):
+            _unpatch(conv, patch)
+
+    def __enter__(self) -> AdapterHandle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+def install_adapters(module: nn.Module, ctx: HaloContext) -> AdapterHandle:
     """Patches every ``MessagePassing`` submodule of ``module`` to run on the partition.
+
+    A conv that is already patched (by an earlier installation) is restored first.
 
     Raises:
         UnsupportedConvError: naming the first conv type without an adapter (nothing is
             patched in that case).
 
     Returns:
-        The patched convs (pass to :func:`uninstall_adapters`).
+        An :class:`AdapterHandle`; ``handle.remove()`` (or ``uninstall_adapters(handle)``)
+        restores every patched conv exactly.
     """
     names = {id(m): n for n, m in module.named_modules()}
     convs = [m for m in module.modules() if isinstance(m, MessagePassing)]
@@ -396,19 +615,23 @@ def install_adapters(module: nn.Module, ctx: HaloContext) -> list[MessagePassing
                 f"the node and its in-neighbours, register it with "
                 f"`lightning_fullgraph.register_conv_adapter({type(conv).__name__}, 'bipartite')`."
             )
+    patches: list[tuple[MessagePassing, _Patch]] = []
     for conv in convs:
-        if _PATCH_ATTR in conv.__dict__:
-            uninstall_adapters([conv])
+        _unpatch(conv)
         adapter = _find_adapter(conv)
-        original = types.MethodType(type(conv).forward, conv)
-
-        forward = _make_forward(conv, original, adapter, names.get(id(conv), "?"), ctx)
-        object.__setattr__(conv, _PATCH_ATTR, original)
-        object.__setattr__(conv, "forward", forward)
+        assert adapter is not None
+        # The forward a plain call runs now: an instance-level one if the user set one.
+        original = conv.__dict__.get("forward") or types.MethodType(type(conv).forward, conv)
+        patch = _Patch()
+        patch.set(conv, "forward", _make_forward(conv, original, adapter, names.get(id(conv), "?"), ctx))
         if type(conv) in _SPARSE_VALUES or type(conv) is GCNConv:
-            own = types.MethodType(type(conv).message_and_aggregate, conv)
-            object.__setattr__(conv, "message_and_aggregate", _make_message_and_aggregate(conv, own, ctx))
-    return convs
+            own = conv.__dict__.get("message_and_aggregate") or types.MethodType(
+                type(conv).message_and_aggregate, conv
+            )
+            patch.set(conv, "message_and_aggregate", _make_message_and_aggregate(conv, own, ctx))
+        object.__setattr__(conv, _PATCH_ATTR, patch)
+        patches.append((conv, patch))
+    return AdapterHandle(patches)
 
 
 def _make_forward(
@@ -457,9 +680,13 @@ def _check_finite(out: Any, name: str, conv: nn.Module, ctx: HaloContext) -> Non
         )
 
 
-def uninstall_adapters(convs: list[MessagePassing]) -> None:
-    """Restores the convs' own ``forward``."""
-    for conv in convs:
-        conv.__dict__.pop("forward", None)
-        conv.__dict__.pop("message_and_aggregate", None)
-        conv.__dict__.pop(_PATCH_ATTR, None)
+def uninstall_adapters(patched: AdapterHandle | Iterable[MessagePassing] | None) -> None:
+    """Restores patched convs exactly: ``uninstall_adapters(handle)`` is ``handle.remove()``;
+    an iterable of convs (or ``None``/``[]``) is also accepted, each restored if patched."""
+    if patched is None:
+        return
+    if isinstance(patched, AdapterHandle):
+        patched.remove()
+        return
+    for conv in list(patched):
+        _unpatch(conv)

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_fullgraph.comm.exchange import HaloExchanger
+from lightning_fullgraph.comm.policy import AdaQPPolicy, PolicyEnv
 from lightning_fullgraph.partition.partitioner import partition_graph
 from lightning_fullgraph.partition.plan import build_local_partitions
 from tests.helpers import directed_graph, run_ranks
@@ -42,8 +43,8 @@ def _forward_backward(rank: int, world_size: int) -> None:
     torch.testing.assert_close(x.grad, expected.unsqueeze(1).expand_as(x.grad), rtol=0, atol=0)
     # bytes: fp32 rows sent = sum of send counts * row bytes, forward + backward
     row = 4 * data.x.size(1)
-    assert ex.stats.bytes_sent == row * (mine.plan.num_send + mine.plan.num_halo)
-    assert ex.stats.bytes_recv == row * (mine.plan.num_halo + mine.plan.num_send)
+    assert ex.stats.bytes_sent["message"] == row * (mine.plan.num_send + mine.plan.num_halo)
+    assert ex.stats.bytes_recv["message"] == row * (mine.plan.num_halo + mine.plan.num_send)
 
 
 def _static_cache(rank: int, world_size: int) -> None:
@@ -56,13 +57,14 @@ def _static_cache(rank: int, world_size: int) -> None:
     ex.stats.reset()
     ex.register_static(x)
     first = ex.exchange(x)
-    sent = ex.stats.bytes_sent
+    sent = ex.stats.bytes_sent["onetime"]
+    assert sent > 0 and ex.stats.bytes_sent["message"] == 0
     again = ex.exchange(x)
-    assert ex.stats.cache_hits == 1 and ex.stats.bytes_sent == sent
+    assert ex.stats.cache_hits == 1 and ex.stats.bytes_sent["onetime"] == sent
     assert torch.equal(first, again)
     x.mul_(2.0)  # in-place change bumps the version: must be fetched again
     third = ex.exchange(x)
-    assert ex.stats.cache_hits == 1 and ex.stats.bytes_sent == 2 * sent
+    assert ex.stats.cache_hits == 1 and ex.stats.bytes_sent["onetime"] == 2 * sent
     assert torch.equal(third[x.size(0):], 2 * first[x.size(0):])
     with pytest.raises(ValueError, match="rows this rank owns"):
         ex.exchange(x[:-1].clone().requires_grad_(True))
@@ -99,23 +101,30 @@ def test_a_failing_rank_fails_the_run_quickly() -> None:
     assert time.monotonic() - start < 40
 
 
+def _quantized(plan, group, bits: int, skip: bool = False) -> HaloExchanger:
+    """An exchanger inside a training step whose policy sends ``bits``-bit messages."""
+    policy = AdaQPPolicy(bits=bits)
+    ex = HaloExchanger(plan, group=group, policy=policy)
+    policy.setup(PolicyEnv(plan=plan, group=group, device=torch.device("cpu"), control=ex.transport.control))
+    ex.skip_transfers = skip
+    ex.begin_step(training=True)
+    return ex
+
+
 def _bound_runs_the_codec(rank: int, world_size: int) -> None:
     # Two exchangers over the same plan, same seed: one transfers, one is the benchmark bound.
-    data, local, real = _setup(rank, world_size)
+    data, local, plain = _setup(rank, world_size)
     plan = local[rank].plan
-    bound = HaloExchanger(plan, group=real.group)
-    bound.skip_transfers = True
+    real, bound = _quantized(plan, plain.transport.group, 4), _quantized(plan, plain.transport.group, 4, skip=True)
     x = data.x[local[rank].data.n_id].clone()
     for ex in (real, bound):
-        ex.bits, ex.compress = 4, True
-        ex.generator = torch.Generator().manual_seed(rank)
         halo = ex.fetch(x, layer=0)
     # the bound received nothing: zeros, in the shape the transfer would have filled
     assert halo.shape == (plan.num_halo, x.size(1)) and not halo.any()
     # ... but drew exactly the stochastic-rounding numbers the real exchange drew, i.e. it
     # encoded the same rows (and decoded a buffer of the same size)
-    assert torch.equal(real.generator.get_state(), bound.generator.get_state())
-    assert bound.stats.bytes_sent == real.stats.bytes_sent > 0
+    assert torch.equal(real.policy.generator.get_state(), bound.policy.generator.get_state())
+    assert bound.stats.bytes_sent["message"] == real.stats.bytes_sent["message"] > 0
 
 
 @pytest.mark.timeout(60)
@@ -126,3 +135,36 @@ def test_compute_only_bound_runs_the_modes_codec() -> None:
     Negative control: returning zeros before encoding (the earlier bound) leaves the
     generator untouched and fails the state comparison."""
     run_ranks(_bound_runs_the_codec, 2)
+
+
+def _backward_is_quantized(rank: int, world_size: int, bits: int | None) -> None:
+    data, local, plain = _setup(rank, world_size)
+    plan = local[rank].plan
+    ex = _quantized(plan, plain.transport.group, bits) if bits else plain
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(plan.num_owned, 64, generator=g, requires_grad=True)
+    full = ex.exchange(x)
+    # the loss only reads halo rows: each owned row's gradient is what came back over the wire
+    weight = torch.randn(plan.num_halo, 64, generator=g)
+    (full[plan.num_owned :] * weight).sum().backward()
+    # rows sent to exactly one peer: their gradient is one received row
+    once = torch.bincount(plan.send_index, minlength=plan.num_owned) == 1
+    distinct = [torch.unique(row).numel() for row in x.grad[once]]
+    assert distinct, "no row is sent to exactly one peer"
+    if bits == 1:
+        # a one-bit row dequantizes to one of its grid's two ends: at most two values per row
+        assert max(distinct) <= 2, distinct
+    else:
+        assert min(distinct) > 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bits", [1, None])
+def test_backward_gradients_travel_at_the_policys_bits(bits: int | None) -> None:
+    """Backward messages are encoded too: with 1-bit messages every gradient row an owner
+    gets back holds at most two distinct values (the ends of its quantization grid).
+
+    Negative control: sending backward gradients in fp32 (as in the ``bits=None`` case, and
+    as a transport that ignored the policy for backward would) gives rows of 64 distinct
+    values, failing the ``<= 2`` assertion."""
+    run_ranks(_backward_is_quantized, 2, bits)

@@ -270,6 +270,29 @@ def test_example_configs_parse(config, capsys):
         assert cli.trainer.strategy._start_method == "popen"
 
 
+@pytest.mark.parametrize(
+    ("strategy_args", "mode", "bits"),
+    [
+        (["--trainer.strategy=fullgraph_exact"], "exact", None),
+        (["--trainer.strategy=fullgraph_adaqp"], "adaqp", "adaptive"),
+        (["--trainer.strategy=fullgraph_sylvie"], "sylvie", 1),
+        (["--trainer.strategy=fullgraph_quant"], "adaqp", "adaptive"),
+        (["--trainer.strategy=lightning_fullgraph.FullGraphStrategy", "--trainer.strategy.mode=sylvie",
+          "--trainer.strategy.bits=adaptive", "--trainer.strategy.staleness=3"], "sylvie", "adaptive"),
+    ],
+)
+def test_every_strategy_name_and_the_combination_from_the_cli(strategy_args, mode, bits, tmp_path):
+    """The four registered names and ``mode=sylvie, bits=adaptive`` instantiate from the CLI /
+    YAML with the policy they name. Negative control: without the ``fullgraph_adaqp`` /
+    ``fullgraph_sylvie`` registrations Lightning refuses the names."""
+    cli = FullGraphCLI(args=strategy_args + [f"--data.cache_dir={tmp_path}"], run=False)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, FullGraphStrategy)
+    assert (strategy.mode, strategy.bits) == (mode, bits)
+    if len(strategy_args) > 1:
+        assert strategy.staleness == 3
+
+
 def test_defaults_need_no_config(capsys):
     """`fit` with no arguments: 2 CPU ranks, fullgraph_quant, GNNNodeClassifier, community."""
     with pytest.raises(SystemExit):

@@ -328,12 +328,59 @@ def test_fallback_when_milp_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     assert res.bits_per_group.tolist() == [8] * problem.num_groups
 
 
-def test_tiny_time_limit_is_reported() -> None:
+def test_tiny_time_limit_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 1e-6 s budget gives every round HiGHS' 1 ms floor, which ends before any incumbent
+    (200 groups per round; a full solve takes ~20 ms a round here): every round must report
+    the time limit and fall back to the greedy descent.  Negative control: a status other
+    than ``fallback`` (e.g. an incumbent silently kept, or the limit ignored -> ``optimal``)
+    fails, and so does a fallback that differs from the greedy one."""
     problem = _random_joint(world_size=4, groups_per_pair=50, seed=5)
     res = assign_bits(problem, 0.5, time_limit=1e-6)
-    assert res.status in {"optimal", "time_limit", "fallback"}
+    assert res.status == "fallback", (res.status, res.message)
+    for r in (1, 2, 3):
+        assert f"round {r}: milp status 1: Time limit reached" in res.message
     assert set(res.bits_per_group.tolist()) <= set(CHOICES)
     assert 0.0 <= res.objective <= 1.0
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("no solver")
+
+    monkeypatch.setattr(assign_mod, "milp", boom)
+    greedy = assign_bits(problem, 0.5)  # every round fails -> the same greedy descent
+    assert torch.equal(res.bits_per_group, greedy.bits_per_group)
+
+
+def test_round_time_is_max_over_senders() -> None:
+    """Two senders in the same round (W = 2: 0 -> 1 and 1 -> 0), link 0 -> 1 100x slower,
+    so its pair is the round's bottleneck at any bit-width: in the joint problem the fast
+    link's rows cost no time and take max bits, more than when sender 1 is solved alone
+    (where its own link time counts).  Negative control: solving per sender."""
+    n, f = 10, 64
+    var = torch.logspace(2, -2, n, dtype=torch.float64)
+    costs = {(0, 1): LinkCost(1e-6, 1e-5), (1, 0): LinkCost(1e-8, 1e-5)}
+    joint = AssignmentProblem(
+        [0] * n + [1] * n,
+        [1] * n + [0] * n,
+        [100] * (2 * n),
+        torch.cat([var, var]),
+        costs,
+        world_size=2,
+        feature_dim=f,
+    )
+    res = assign_bits(joint, 0.5, mip_rel_gap=0.0)
+    assert res.status == "optimal"
+    fast_joint = res.bits_per_group[n:]
+    alone = AssignmentProblem.for_sender(1, [0] * n, [100] * n, var, {0: costs[(1, 0)]}, 2, f)
+    fast_alone = assign_bits(alone, 0.5, mip_rel_gap=0.0).bits_per_group
+    assert fast_joint.tolist() == [8] * n
+    assert int(fast_joint.sum()) > int(fast_alone.sum())
+    assert bool((fast_joint >= fast_alone).all())
+    # the bottleneck pair itself trades off exactly as it would alone
+    slow_alone = AssignmentProblem.for_sender(0, [1] * n, [100] * n, var, {1: costs[(0, 1)]}, 2, f)
+    assert (
+        res.bits_per_group[:n].tolist()
+        == assign_bits(slow_alone, 0.5, mip_rel_gap=0.0).bits_per_group.tolist()
+    )
 
 
 def test_600_groups_runtime() -> None:

@@ -13,13 +13,19 @@ from lightning_fullgraph.comm.codec import (
     encode_rows,
     message_nbytes,
 )
-from lightning_fullgraph.comm.quantize import row_nbytes
+from lightning_fullgraph.comm.quantize import quantize, row_nbytes
 
 COUNTS = [7, 0, 12, 5]  # peer 1 gets nothing
 
 
 def _rows(n: int = sum(COUNTS), d: int = 37, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, d, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _grid_range(rows: torch.Tensor) -> torch.Tensor:
+    """``[S, 1]`` range of every row's stored 16-bit grid (a little wider than max - min; the
+    grid does not depend on the bit-width)."""
+    return quantize(rows, 8).grid_range[:, None]
 
 
 @pytest.mark.parametrize("b", [1, 2, 4, 8])
@@ -32,16 +38,18 @@ def test_uniform_fast_path_equals_the_grouped_layout(b: int) -> None:
     rows = _rows()
     bits = torch.full((rows.size(0),), b, dtype=torch.uint8)
     fast = encode_rows(rows, bits, COUNTS, generator=torch.Generator().manual_seed(3))
-    slow = _encode_grouped(rows, bits, COUNTS, _counts_by_bits(bits, COUNTS), torch.Generator().manual_seed(3))
+    slow = _encode_grouped(
+        rows, bits, COUNTS, _counts_by_bits(bits, COUNTS), torch.Generator().manual_seed(3)
+    )
     assert torch.equal(fast.buffer, slow.buffer)
     assert fast.nbytes == slow.nbytes == [c * row_nbytes(rows.size(1), b) for c in COUNTS]
     assert torch.equal(fast.rng, slow.rng)
     out_fast = decode_rows(fast.buffer, bits, COUNTS, rows.size(1))
     out_slow = _decode_grouped(slow.buffer, bits, COUNTS, rows.size(1), _counts_by_bits(bits, COUNTS))
     assert torch.equal(out_fast, out_slow)
-    # and it is a quantization of the rows: every value within one step of the original
-    step = (rows.amax(1) - rows.amin(1)) / (2**b - 1)
-    assert bool(((out_fast - rows).abs() <= step[:, None] * 1.0001).all())
+    # and it is a quantization of the rows: every value within one step (of the stored grid)
+    step = _grid_range(rows) / (2**b - 1)
+    assert bool(((out_fast - rows).abs() <= step * 1.0001).all())
 
 
 def test_mixed_bit_widths_round_trip_in_row_order() -> None:
@@ -56,9 +64,9 @@ def test_mixed_bit_widths_round_trip_in_row_order() -> None:
     enc = encode_rows(rows, bits, COUNTS, generator=g)
     assert enc.nbytes == message_nbytes(bits, COUNTS, 64) and sum(enc.nbytes) == enc.buffer.numel()
     out = decode_rows(enc.buffer, bits, COUNTS, 64)
-    step = (rows.amax(1) - rows.amin(1)) / (2 ** bits.float() - 1)
-    assert bool(((out - rows).abs() <= step[:, None] * 1.0001).all())
-    torch.testing.assert_close(enc.rng, rows.amax(1) - rows.amin(1))
+    step = _grid_range(rows) / (2 ** bits.float()[:, None] - 1)
+    assert bool(((out - rows).abs() <= step * 1.0001).all())
+    assert torch.equal(enc.rng, rows.amax(1) - rows.amin(1))  # the TRUE range, not the grid's
 
 
 def test_unbiased_over_draws() -> None:
@@ -72,6 +80,30 @@ def test_unbiased_over_draws() -> None:
     for _ in range(draws):
         enc = encode_rows(rows, bits, counts, generator=g)
         acc += decode_rows(enc.buffer, bits, counts, 16)
-    spread = (rows.amax(1) - rows.amin(1))[:, None]
+    spread = _grid_range(rows)
     # standard error of the mean of a Bernoulli-scaled value: <= spread / (2 sqrt(draws))
     assert bool(((acc / draws - rows).abs() <= 5 * spread / (2 * draws**0.5)).all())
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_round_trip_is_exact_at_the_grid_points(mixed: bool) -> None:
+    """Rows whose values are levels of an exactly representable grid (integers 0..L, both
+    ends present; shifted by a bfloat16 offset) and constant rows (also non-bfloat16 ones,
+    which travel in the exact constant form) decode exactly through the codec, in row order.
+
+    Negative control: widening a grid that needs no widening (e.g. the range always bumped
+    one 16-bit step up), or losing the exact constant form, breaks the equality."""
+    g = torch.Generator().manual_seed(7)
+    n, d = sum(COUNTS), 19
+    if mixed:
+        bits = torch.tensor([1, 2, 4, 8], dtype=torch.uint8)[torch.randint(0, 4, (n,), generator=g)]
+    else:
+        bits = torch.full((n,), 4, dtype=torch.uint8)
+    lv = (2 ** bits.long() - 1)[:, None]
+    rows = (torch.rand(n, d, generator=g) * (lv + 1)).floor().clamp_max(lv)
+    rows[:, 0], rows[:, 1] = 0, lv[:, 0]
+    rows = rows + torch.tensor([-2.0, 0.0, 1.5, 1024.0])[torch.arange(n) % 4][:, None]
+    rows[3] = 0.1  # constant, not a bfloat16
+    rows[10] = -7.25  # constant bfloat16
+    enc = encode_rows(rows, bits, COUNTS, generator=g)
+    assert torch.equal(decode_rows(enc.buffer, bits, COUNTS, d), rows)

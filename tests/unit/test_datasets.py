@@ -449,6 +449,49 @@ def test_ogb_loader_read_only(tmp_path: Path) -> None:
     assert (tmp_path / "cache" / "ogb" / "ogbn_arxiv" / "processed").is_dir()
 
 
+def test_ogb_pickle_allowlist_does_not_patch_torch_load(tmp_path: Path) -> None:
+    """OGB's processed file (``torch.save(InMemoryDataset.collate([data]))``, here with a numpy
+    ``num_nodes`` as the binary ``.npz`` datasets produce) loads with a bare ``torch.load(path)``
+    -- OGB's own call -- inside the allowlist block; ``torch.load`` stays the original function
+    during and after it; other globals are still refused; the allowlist is restored after.
+
+    Negative control: the former ``_torch_load_full_pickle`` (a replaced ``torch.load`` with
+    ``weights_only=False``) fails the identity checks and loads the ``Fraction`` file."""
+    import fractions
+    import pickle
+
+    from torch_geometric.data import InMemoryDataset
+
+    from lightning_fullgraph.datasets import _ogb_pickle_allowlist
+
+    data = Data(x=torch.randn(5, 3), edge_index=torch.tensor([[0, 1, 2], [1, 2, 3]]))
+    data.num_nodes = np.int64(5)
+    data.node_year = torch.arange(5)[:, None]
+    data.y = torch.tensor([[1], [0], [1], [0], [1]])
+    path = tmp_path / "geometric_data_processed.pt"
+    torch.save(InMemoryDataset.collate([data]), path)
+    other = tmp_path / "other.pt"
+    torch.save({"x": fractions.Fraction(1, 3)}, other)
+
+    original = torch.load
+    before = set(torch.serialization.get_safe_globals())
+    weights_only_default = torch.__version__ >= "2.6"  # torch.load's default became weights_only
+    if weights_only_default:
+        with pytest.raises(pickle.UnpicklingError):
+            torch.load(path)  # refused without the allowlist
+    with _ogb_pickle_allowlist():
+        assert torch.load is original
+        loaded, slices = torch.load(path)  # exactly how PygNodePropPredDataset calls it
+        if weights_only_default:
+            with pytest.raises(pickle.UnpicklingError):
+                torch.load(other)  # still a restricted unpickler
+    assert torch.load is original
+    assert set(torch.serialization.get_safe_globals()) == before  # PyG's own entries kept too
+    assert slices is None and int(loaded.num_nodes) == 5
+    for key in ("x", "edge_index", "node_year", "y"):
+        assert torch.equal(loaded[key], data[key])
+
+
 def test_reddit_loader(tmp_path: Path) -> None:
     sp = pytest.importorskip("scipy.sparse")
     raw = tmp_path / "Reddit" / "raw"

@@ -20,12 +20,18 @@ def _partitions(num_parts: int, method: str = "metis", seed: int = 0):
 @pytest.mark.parametrize("num_parts", [1, 2, 3, 4])
 @pytest.mark.parametrize("method", ["metis", "random"])
 def test_local_graphs_cover_every_edge_once(num_parts: int, method: str) -> None:
+    """Negative control: the destination check used to read ``assert int(dst.max()) if
+    dst.numel() else -1 < num_owned`` (a conditional expression: it asserted the truthy int
+    ``dst.max()``), which passes with a halo node as destination; the checks below fail then."""
     data, parts, locals_ = _partitions(num_parts, method)
     recovered = []
-    for p in locals_:
+    for r, p in enumerate(locals_):
         ids = torch.cat([p.data.n_id, p.data.halo_n_id])  # local id -> global id
         src, dst = p.data.edge_index
-        assert int(dst.max()) if dst.numel() else -1 < p.plan.num_owned, "destinations must be owned"
+        # destinations are owned: local ids in [0, N_r), exactly the owned nodes with an in-edge
+        assert bool(((dst >= 0) & (dst < p.plan.num_owned)).all()), "destinations must be owned"
+        owned_with_in_edges = sorted(set(data.edge_index[1][parts[data.edge_index[1]] == r].tolist()))
+        assert sorted(set(ids[dst].tolist())) == owned_with_in_edges
         assert (int(src.max()) if src.numel() else -1) < p.plan.num_owned + p.plan.num_halo
         recovered.append(torch.stack([ids[src], ids[dst]]))
         # edge attributes follow their edges
