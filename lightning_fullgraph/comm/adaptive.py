@@ -72,6 +72,7 @@ from lightning_fullgraph.comm.assign import (
     fit_alpha_beta,
     group_aggregates,
     group_nodes,
+    range_coefficients,
 )
 from lightning_fullgraph.comm.quantize import META_NBYTES
 
@@ -272,12 +273,9 @@ def _local_groups(stat: MessageStats, group_size: int) -> tuple[list[_Entry], Te
     ``entries`` lists ``(peer, rows, C_g)`` per group, peers ascending; ``ids`` ``[M]`` int64
     maps every sent row (send order) to its index in ``entries``.
     """
-    c = (
-        float(stat.feature_dim)
-        * stat.row_range.detach().to("cpu", torch.float64).reshape(-1).square()
-        / 6.0
-        * stat.weight.detach().to("cpu", torch.float64).reshape(-1)
-    )
+    c = range_coefficients(stat.row_range.detach().cpu(), stat.feature_dim) * stat.weight.detach().to(
+        "cpu", torch.float64
+    ).reshape(-1)
     if not bool(torch.isfinite(c).all()):
         raise ValueError("non-finite row range or weight")
     entries: list[_Entry] = []

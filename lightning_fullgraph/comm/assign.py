@@ -112,6 +112,7 @@ __all__ = [
     "fit_alpha_beta",
     "group_aggregates",
     "group_nodes",
+    "range_coefficients",
     "variance_coefficients",
 ]
 
@@ -176,6 +177,13 @@ def fit_alpha_beta(sizes_bytes: Sequence[float], seconds: Sequence[float]) -> Li
 # --------------------------------------------------------------------------- variance / groups
 
 
+def range_coefficients(row_range: Tensor, feature_dim: int) -> Tensor:
+    """``F * range_i^2 / 6`` (float64, ``[M]``): AdaQP's variance model at one level
+    (:func:`~lightning_fullgraph.comm.quantize.adaqp_variance_model` times ``(2^b - 1)^2``);
+    the one place the coefficient is written down."""
+    return float(feature_dim) * row_range.detach().to(torch.float64).reshape(-1).square() / 6.0
+
+
 def variance_coefficients(x: Tensor, weight: Tensor | None = None) -> Tensor:
     """Per-row variance coefficient ``c_i = w_i * F * (max_i - min_i)^2 / 6``.
 
@@ -195,8 +203,7 @@ def variance_coefficients(x: Tensor, weight: Tensor | None = None) -> Tensor:
     if m == 0 or f == 0:
         return torch.zeros(m, dtype=torch.float64, device=x.device)
     xd = x.detach().to(torch.float64)
-    rng = xd.amax(dim=1) - xd.amin(dim=1)
-    c = f * rng.square() / 6.0
+    c = range_coefficients(xd.amax(dim=1) - xd.amin(dim=1), f)
     if weight is not None:
         c = c * weight.detach().to(device=c.device, dtype=torch.float64).reshape(-1)
     return c

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_fullgraph.comm.quantize import dequantize, from_bytes, quantize, row_nbytes
+from lightning_fullgraph.comm.quantize import SUPPORTED_BITS, dequantize, from_bytes, quantize, row_nbytes
 
 __all__ = ["EncodedRows", "decode_rows", "encode_rows", "message_nbytes"]
 
-BIT_CHOICES = (1, 2, 4, 8)
+BIT_CHOICES = SUPPORTED_BITS
 
 
 def _counts_by_bits(bits: Tensor, counts: list[int]) -> dict[int, list[int]]:

@@ -44,6 +44,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from lightning_fullgraph.comm.quantize import SUPPORTED_BITS
 from lightning_fullgraph.comm.staleness import StalenessState
 from lightning_fullgraph.partition.plan import HaloPlan
 
@@ -60,7 +61,7 @@ __all__ = [
 ]
 
 #: Fixed bit-widths a quantized message can use; 32 sends fp32 (through Sylvie's pipeline).
-FIXED_BITS: tuple[int, ...] = (1, 2, 4, 8)
+FIXED_BITS: tuple[int, ...] = SUPPORTED_BITS
 #: Bit-widths AdaQP's assignment chooses from (the paper's {2, 4, 8}).
 ADAPTIVE_BIT_CHOICES: tuple[int, ...] = (2, 4, 8)
 #: Message directions: forward rows (owner -> borrower), backward gradients (borrower -> owner).
