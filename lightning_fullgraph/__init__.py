@@ -1,8 +1,10 @@
 """lightning-fullgraph: distributed full-graph GNN training for PyTorch Lightning.
 
-Importing the package registers the strategies ``"fullgraph_quant"`` (AdaQP mode: quantized
-halo messages, adaptive bit-widths, overlap) and ``"fullgraph_exact"`` (fp32, synchronous)
-with Lightning's strategy registry, so that ``Trainer(strategy="fullgraph_quant")`` works.
+Importing the package registers the strategy names ``"fullgraph_exact"`` (fp32,
+synchronous), ``"fullgraph_adaqp"`` (AdaQP: quantized halo messages, adaptive bit-widths,
+overlap), ``"fullgraph_sylvie"`` (Sylvie: one-bit messages, bounded-staleness pipeline) and
+``"fullgraph_quant"`` (AdaQP unless ``mode=`` says otherwise) with Lightning's strategy
+registry, so that ``Trainer(strategy="fullgraph_quant")`` works.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry

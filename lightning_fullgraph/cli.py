@@ -443,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit status (0); parsing errors exit through ``SystemExit``.
     """
-    import lightning_fullgraph  # noqa: F401  (registers "fullgraph_quant" / "fullgraph_exact")
+    import lightning_fullgraph  # noqa: F401  (registers the fullgraph_* strategy names)
 
     # Lightning 2.6.6 on torch >= 2.13 warns about a torch-internal rename on every step.
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)

@@ -1,6 +1,7 @@
 """How standard PyG convs are made partition-aware."""
 
 from lightning_fullgraph.nn.adapters import (
+    AdapterHandle,
     HaloContext,
     UnsupportedConvError,
     install_adapters,
@@ -10,6 +11,7 @@ from lightning_fullgraph.nn.adapters import (
 )
 
 __all__ = [
+    "AdapterHandle",
     "HaloContext",
     "UnsupportedConvError",
     "install_adapters",
