@@ -425,6 +425,12 @@ class SylviePolicy(_QuantizedPolicy):
             epoch :math:`t`; bits apply from :math:`t+1` (the pipeline's next sends), the
             schedule from :math:`t+2` (epoch :math:`t+1` must know whether to send).
         adaptive_tolerance: Relative improvement below which the loss counts as stalled.
+
+    With ``bits="adaptive"`` AdaQP's link-aware MILP assigns 2/4/8 bits per row group and
+    direction inside this fixed schedule.  PipeQS (ECML-PKDD 2025, suupahako/PipeQS-code)
+    combines the two differently: it moves one bit-width per layer and direction up or down
+    from the drift between consecutive received blocks (inverted cosine similarity) and lets a
+    layer keep its stale block while a transfer is late; that rule is not implemented here.
     """
 
     name = "sylvie"
