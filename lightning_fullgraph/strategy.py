@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 MODES = ("exact", "adaqp", "sylvie")
 #: Key of the policies' state in a Lightning checkpoint.
 CHECKPOINT_KEY = "fullgraph_policy"
+#: Manifest fields that identify a run's partitions (recorded in checkpoints).
+PARTITION_KEYS = ("fingerprint", "method", "balance", "num_parts", "seed")
 LOSS_WEIGHTINGS = ("train_mask", "mean", "sum")
 
 
@@ -202,6 +204,7 @@ class FullGraphStrategy(DDPStrategy):
         self._adapters: Any = None
         self._loss_scale: float = 1.0
         self._partition: LocalPartition | None = None
+        self._partition_id: dict[str, Any] = {}
         self._in_step = False
         #: Figures of the last training step's policy decisions (assignment time, global
         #: loss...), read by the metrics callback.
@@ -259,6 +262,8 @@ class FullGraphStrategy(DDPStrategy):
                 f"{partition.plan.world_size}; partition the graph into as many parts as ranks"
             )
         self._partition = partition
+        manifest = datamodule.manifest
+        self._partition_id = {k: manifest.get(k) for k in PARTITION_KEYS}
         datamodule.move_to(self.root_device)
         plan = partition.plan.to(self.root_device)
         self._exchanger = HaloExchanger(plan, group=self._halo_group, policy=self.policy)
@@ -281,6 +286,7 @@ class FullGraphStrategy(DDPStrategy):
         )
         if self._pending_state is not None:
             self._restore_policy_state(self._pending_state)
+        self._pending_state = None
         self._ctx = HaloContext(
             self._exchanger, overlap=self.overlap, check_finite=self.check_finite, sparse=self.sparse_aggregation
         )
@@ -307,7 +313,14 @@ class FullGraphStrategy(DDPStrategy):
                 f"loss_weighting='train_mask' needs a node mask `{self.mask_key}` in the batch; set "
                 f"FullGraphStrategy(mask_key=...) or loss_weighting='mean'"
             )
-        local = torch.tensor([float(data[self.mask_key].sum())], device=self.root_device)
+        mask = data[self.mask_key]
+        if mask.dim() != 1:
+            # Summing an [N, S] mask counts every split: the rank weights would be silently wrong.
+            raise ValueError(
+                f"`{self.mask_key}` has shape {list(mask.shape)}: one column per split. Choose the split "
+                "with FullGraphDataModule(split=k) (default 0), which selects it before partitioning"
+            )
+        local = torch.tensor([float(mask.sum())], device=self.root_device)
         total = self.reduce(local.clone(), reduce_op="sum") if self.world_size > 1 else local
         if float(total) == 0:
             raise ValueError(f"no node anywhere is set in `{self.mask_key}`: there is nothing to train on")
@@ -486,7 +499,11 @@ class FullGraphStrategy(DDPStrategy):
                 dist.all_gather_object(gathered, state)
             else:
                 gathered = [state]
-            checkpoint[CHECKPOINT_KEY] = {"world_size": self.world_size, "ranks": gathered}
+            checkpoint[CHECKPOINT_KEY] = {
+                "world_size": self.world_size,
+                "partition": dict(self._partition_id),
+                "ranks": gathered,
+            }
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -494,18 +511,37 @@ class FullGraphStrategy(DDPStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         entry = checkpoint.get(CHECKPOINT_KEY)
         if entry:
-            ranks = entry.get("ranks", [])
-            mine = ranks[self.global_rank] if self.global_rank < len(ranks) else None
-            if mine:
-                if self._exchanger is None:
-                    self._pending_state = mine  # restored in setup, after the policy's
-                else:
-                    self._restore_policy_state(mine)
+            # checked against this run's world size and partitions in setup, once they are known
+            self._pending_state = entry
+            if self._exchanger is not None:
+                self._restore_policy_state(entry)
         return checkpoint
 
-    def _restore_policy_state(self, state: dict[str, Any]) -> None:
-        self.policy.load_state_dict(state)
+    def _restore_policy_state(self, entry: dict[str, Any]) -> None:
+        """Loads this rank's policy state from a checkpoint entry, or resets it (and says so)
+        when the checkpoint was written by another number of ranks or other partitions: the
+        per-rank state (stale halo buffers, per-row bit-widths, rounding streams) belongs to
+        rows this rank no longer owns.  Model and optimizer state are restored either way."""
         self._pending_state = None
+        saved_world = entry.get("world_size")
+        saved_partition = entry.get("partition")
+        reasons = []
+        if saved_world != self.world_size:
+            reasons.append(f"it was written by {saved_world} ranks and this run has {self.world_size}")
+        elif saved_partition is not None and saved_partition != self._partition_id:
+            changed = sorted(k for k in PARTITION_KEYS if saved_partition.get(k) != self._partition_id.get(k))
+            reasons.append(f"its graph partitions differ from this run's ({', '.join(changed)})")
+        if reasons:
+            rank_zero_warn(
+                f"Resuming: {reasons[0]}. Model and optimizer state are restored; the {self.policy.name} "
+                "compression state (stale halo buffers, bit-widths, rounding streams) is reset, so "
+                "training continues from there as a fresh run of this mode would."
+            )
+            return
+        ranks = entry.get("ranks", [])
+        mine = ranks[self.global_rank] if self.global_rank < len(ranks) else None
+        if mine:
+            self.policy.load_state_dict(mine)
 
     # -- introspection --------------------------------------------------------------------
     @property
