@@ -45,7 +45,9 @@ class SAGE(pl.LightningModule):
     def training_step(self, batch: Data, batch_idx: int) -> Tensor:
         out = self(batch.x, batch.edge_index)
         # Mean over this rank's training nodes; the strategy weights ranks by their share of
-        # training nodes, so the gradient is the one of the global mean.
+        # training nodes, so the gradient is the one of the global mean.  The masks are bool
+        # [N]: for a graph shipping [N, S] multi-split masks (tolokers, Actor, ...),
+        # FullGraphDataModule(..., split=k) keeps split k before partitioning.
         loss = F.cross_entropy(out[batch.train_mask], batch.y[batch.train_mask])
         self.log(
             "train_loss",

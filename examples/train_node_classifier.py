@@ -8,7 +8,7 @@ Evaluator (``val_ogb_acc`` / ``test_ogb_acc``), tolokers its ROC-AUC (``test_roc
 
     python examples/train_node_classifier.py                                   # community, GCN
     python examples/train_node_classifier.py --dataset Cora --root ../shared/datasets/Planetoid --conv gat
-    python examples/train_node_classifier.py --dataset tolokers --root ../shared/datasets/Heterophilous
+    python examples/train_node_classifier.py --dataset tolokers --root ../shared/datasets/Heterophilous --split 3
     python examples/train_node_classifier.py --dataset ogbn-arxiv --root data/ --conv sage \\
         --accelerator auto --devices 4                                        # downloads ogbn-arxiv
 
@@ -66,12 +66,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     parser.add_argument("--devices", type=int, default=2, help="ranks = graph parts (default 2)")
     parser.add_argument("--max-epochs", type=int, default=None, help="default: per dataset")
     parser.add_argument("--dataset-kwargs", default="{}", help="JSON, e.g. '{\"num_nodes\": 10000}'")
+    parser.add_argument("--split", type=int, default=0, help="which split of datasets shipping several "
+                        "(tolokers, Actor: [N, 10] masks); default 0")
     parser.add_argument("--start-method", default="popen", help="popen (scripts), fork (notebooks, tests)")
     args = parser.parse_args(argv)
 
     pl.seed_everything(0)
     epochs = args.max_epochs or SETTINGS.get(args.dataset.lower(), (None, 200))[1]
-    datamodule = FullGraphDataModule(args.dataset, root=args.root, dataset_kwargs=json.loads(args.dataset_kwargs))
+    datamodule = FullGraphDataModule(
+        args.dataset, root=args.root, dataset_kwargs=json.loads(args.dataset_kwargs), split=args.split
+    )
     # in_channels / num_classes are read from the datamodule when the trainer sets it up.
     model = GNNNodeClassifier(**model_kwargs(args.dataset, args.conv))
     # Same as strategy="fullgraph_quant" for mode="adaqp"; the object form takes the options.

@@ -4,17 +4,26 @@
 the partition folder, unless a valid one is cached.  ``setup`` (every rank) reads only the
 manifest and that rank's part file.  Every dataloader yields one batch per epoch: the
 rank's local graph as a PyG ``Data`` (see :class:`~lightning_fullgraph.partition.plan.LocalPartition`).
+
+Multi-split node masks (``[N, S]``, as tolokers, Actor, WikiCS and the LINKX sets ship
+them) never reach training: the datamodule keeps column ``split`` of every such mask
+before the graph is fingerprinted and partitioned (:func:`select_mask_split`), so each
+split has its own partition cache folder and every rank sees ``[N]`` masks.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+import numbers
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from torch_geometric.data import Data
 
@@ -28,9 +37,9 @@ from lightning_fullgraph.partition.cache import (
 )
 from lightning_fullgraph.partition.partitioner import BALANCE_MODES, PARTITION_METHODS
 from lightning_fullgraph.partition.plan import LocalPartition
-from lightning_fullgraph.validation import validate_graph
+from lightning_fullgraph.validation import MASK_KEYS, validate_graph
 
-__all__ = ["FullGraphDataModule", "load_graph"]
+__all__ = ["FullGraphDataModule", "load_graph", "select_mask_split"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +86,82 @@ def load_graph(data: Any, root: str | os.PathLike | None = None, **kwargs: Any) 
     raise TypeError(f"`data` must be a torch_geometric Data, a PyG dataset or a dataset name; got {type(data).__name__}")
 
 
+def _check_split(split: Any) -> int:
+    if isinstance(split, bool) or not isinstance(split, numbers.Integral) or split < 0:
+        raise ValueError(f"split must be a non-negative int (a column of the [N, S] node masks), got {split!r}")
+    return int(split)
+
+
+def _multi_split_keys(data: Data, mask_keys: Iterable[str] = ()) -> list[str]:
+    """Names of the bool ``[N, S]`` node masks of ``data`` (``MASK_KEYS``, ``*_mask``, ``mask_keys``)."""
+    try:
+        num_nodes = int(data.num_nodes)
+    except Exception:  # malformed graph: validate_graph reports it with the fix
+        return []
+    keys = dict.fromkeys((*MASK_KEYS, *(k for k in data.keys() if k.endswith("_mask")), *mask_keys))
+    return [
+        key
+        for key in keys
+        if isinstance(mask := data.get(key), Tensor)
+        and mask.dtype == torch.bool
+        and mask.dim() == 2
+        and mask.size(0) == num_nodes
+    ]
+
+
+def select_mask_split(data: Data, split: int = 0, mask_keys: Iterable[str] = ()) -> Data:
+    """Keeps column ``split`` of every multi-split node mask of ``data``.
+
+    A multi-split mask is a bool tensor of shape ``[N, S]`` (``N = data.num_nodes``) stored
+    under ``train_mask``, ``val_mask``, ``test_mask``, any other key ending in ``_mask``,
+    or a key of ``mask_keys``; it becomes ``mask[:, split]`` of shape ``[N]``, as PyG's
+    examples do (``data.train_mask[:, split]``).  Other attributes, and masks that are not
+    bool ``[N, S]`` (``validate_graph`` reports those), are left as they are.
+
+    Args:
+        data: The graph (a global graph or one rank's part: only the rows differ).
+        split: The column to keep, ``0 <= split < S``.
+        mask_keys: Further attribute names to treat as node masks.
+
+    Returns:
+        ``data`` itself if it has no multi-split mask, else a shallow copy with the
+        selected masks; ``data`` is never modified.
+
+    Raises:
+        ValueError: ``split`` is not in ``[0, S)`` for a mask with ``S`` columns; or
+            ``split != 0`` but no mask has several splits (the split asked for does not
+            exist, and silently training on the only one would be a different experiment).
+    """
+    split = _check_split(split)
+    selected: dict[str, Tensor] = {}
+    for key in _multi_split_keys(data, mask_keys):
+        mask = data[key]
+        num_splits = int(mask.size(1))
+        if not split < num_splits:
+            raise ValueError(
+                f"data.{key} has S={num_splits} splits (shape {list(mask.shape)}); split={split} is out of "
+                f"range: choose 0 <= split < {num_splits}"
+            )
+        selected[key] = mask[:, split].contiguous()
+    if not selected:
+        if split != 0:
+            raise ValueError(
+                f"split={split} but the graph has no multi-split [N, S] node mask (its masks are [N], a single "
+                "split): there is no split to choose; leave split=0"
+            )
+        return data
+    out = copy.copy(data)
+    for key, mask in selected.items():
+        out[key] = mask
+    return out
+
+
+def _is_synthetic_name(name: str) -> bool:
+    from lightning_fullgraph.datasets import _SYNTHETIC, _key
+
+    return _key(name) in _SYNTHETIC
+
+
 class FullGraphDataModule(pl.LightningDataModule):
     """Partitions a graph and serves each rank its part, one full-graph batch per epoch.
 
@@ -94,13 +179,24 @@ class FullGraphDataModule(pl.LightningDataModule):
         root: Dataset folder for named datasets.
         seed: Partitioner seed.
         dataset_kwargs: Extra arguments of ``load_dataset`` for named datasets (e.g. the
-            size of the generated ``"community"`` graph).
+            size of the generated ``"community"`` graph).  The split is chosen by ``split``
+            alone: a ``"split"`` entry here must equal it.
         require_train: Refuse a graph without any node in ``train_mask`` (set False for
             graphs used only to validate, test or predict).
         balance: What ``"metis"`` balances across the ranks: ``"edges"`` (default; the
             in-edges each rank aggregates, which dominate its compute time) or ``"nodes"``
             (node counts). Part of the partition cache key. Ignored by ``"random"`` and when
             ``data`` is a partition folder (it was balanced when it was written).
+        split: Which split of multi-split node masks to train and evaluate on (default 0,
+            as PyG's examples use ``data.train_mask[:, 0]``).  Every bool node mask of shape
+            ``[N, S]`` (``train_mask``, ``val_mask``, ``test_mask``, any other ``*_mask``
+            and the strategy's ``mask_key``) becomes its column ``split`` before the graph
+            is partitioned, so each split has its own partition cache folder and every rank
+            sees ``[N]`` masks; named datasets (tolokers, Actor, ...) receive it as
+            ``load_dataset(..., split=split)``.  ``ValueError`` if ``split >= S``, or if
+            ``split != 0`` and the graph has only ``[N]`` masks.  A partition folder given as
+            ``data`` keeps the split it was written with (``[N, S]`` masks in it are
+            selected per rank the same way).
 
     Attributes:
         local_partition: This rank's :class:`LocalPartition` after ``setup``.
@@ -119,6 +215,7 @@ class FullGraphDataModule(pl.LightningDataModule):
         dataset_kwargs: dict[str, Any] | None = None,
         require_train: bool = True,
         balance: str = "edges",
+        split: int = 0,
     ) -> None:
         super().__init__()
         if partition not in PARTITION_METHODS:
@@ -134,7 +231,16 @@ class FullGraphDataModule(pl.LightningDataModule):
         self.cache_dir = cache_dir
         self.root = root
         self.seed = seed
+        self.split = _check_split(split)
         self.dataset_kwargs = dict(dataset_kwargs or {})
+        if "split" in self.dataset_kwargs:
+            given = self.dataset_kwargs.pop("split")
+            if given != self.split:
+                raise ValueError(
+                    f"dataset_kwargs={{'split': {given!r}}} conflicts with split={self.split}: the split is "
+                    f"chosen by FullGraphDataModule(split=...) alone; pass split={given!r} and drop it from "
+                    "dataset_kwargs"
+                )
         self.require_train = require_train
         self.local_partition: LocalPartition | None = None
         self.partition_result: PartitionResult | None = None
@@ -164,12 +270,26 @@ class FullGraphDataModule(pl.LightningDataModule):
             return Path(self.data)
         return None
 
+    def _mask_keys(self) -> tuple[str, ...]:
+        """The strategy's ``mask_key`` (when a trainer is attached), selected like ``*_mask``."""
+        strategy = getattr(self.trainer, "strategy", None) if self.trainer is not None else None
+        key = getattr(strategy, "mask_key", None)
+        return (key,) if isinstance(key, str) else ()
+
     def global_graph(self) -> Data:
-        """The whole graph (loaded on first use). Not available for partition-folder data."""
+        """The whole graph (loaded on first use) with column ``split`` of every ``[N, S]``
+        node mask (see :func:`select_mask_split`). Not available for partition-folder data."""
         if self._graph is None:
             if self._partition_folder_given() is not None:
                 raise RuntimeError(f"data={self.data!r} is a partition folder: the global graph is not loaded")
-            self._graph = load_graph(self.data, root=self.root, **self.dataset_kwargs)
+            kwargs = dict(self.dataset_kwargs)
+            remaining = self.split
+            if isinstance(self.data, str) and not _is_synthetic_name(self.data):
+                # load_dataset selects the split itself (and drops the other columns).
+                kwargs["split"] = self.split
+                remaining = 0
+            graph = load_graph(self.data, root=self.root, **kwargs)
+            self._graph = select_mask_split(graph, remaining, self._mask_keys())
         return self._graph
 
     # -- Lightning hooks ------------------------------------------------------------------
@@ -216,7 +336,18 @@ class FullGraphDataModule(pl.LightningDataModule):
         if folder is None:
             raise RuntimeError("no partition folder: prepare_data() did not run")
         self._folder = Path(folder)
-        self.local_partition = load_part(self._folder, rank)
+        part = load_part(self._folder, rank)
+        # A folder this datamodule wrote already has [N] masks (a no-op); a given folder may
+        # hold [N, S] masks: selecting rows then a column = selecting a column then rows.
+        given = self._partition_folder_given() is not None
+        if given and self.split != 0 and not _multi_split_keys(part.data, self._mask_keys()):
+            raise ValueError(
+                f"split={self.split} but the partition folder {self._folder} holds single-split [N] masks: "
+                "its split was chosen when it was written (e.g. lightning-fullgraph partition NAME "
+                "--dataset-kwargs '{\"split\": k}'); leave split=0 with a partition folder"
+            )
+        part.data = select_mask_split(part.data, self.split if given else 0, self._mask_keys())
+        self.local_partition = part
         if self.local_partition.plan.world_size != world:
             raise PartitionCacheError(
                 f"{self._folder} holds {self.local_partition.plan.world_size} parts but {world} rank(s) run"

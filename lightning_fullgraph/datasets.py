@@ -551,9 +551,13 @@ def _instantiate(spec: _Spec, root: str, planetoid_split: str) -> tuple[Data, di
 
 
 def _select_split(mask: Tensor, split: int, name: str) -> Tensor:
+    if split < 0:
+        raise ValueError(f"split={split}: choose a split index >= 0")
     if mask.dim() == 1:
+        if split != 0:
+            raise ValueError(f"{name} ships one split (its mask has shape [N]); split={split} does not exist")
         return mask
-    if not -mask.size(1) <= split < mask.size(1):
+    if split >= mask.size(1):
         raise ValueError(f"{name} has {mask.size(1)} splits; split={split} is out of range")
     return mask[:, split]
 

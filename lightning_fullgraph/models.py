@@ -34,6 +34,29 @@ METRICS = ("accuracy", "rocauc")
 
 
 
+def _check_node_mask(mask: Any, num_nodes: int, name: str) -> None:
+    """Refuses anything but a bool ``[num_nodes]`` mask: indexing with an ``[N, S]``
+    multi-split mask or an index tensor would silently pick other nodes than the split's."""
+    if not isinstance(mask, Tensor):
+        raise ValueError(f"batch.{name} must be a bool tensor of shape [{num_nodes}], got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise ValueError(
+            f"batch.{name} has dtype {mask.dtype}; node masks must be bool of shape [{num_nodes}] (an index "
+            "tensor? convert it with torch_geometric.utils.index_to_mask)"
+        )
+    if mask.dim() == 2 and mask.size(0) == num_nodes:
+        raise ValueError(
+            f"batch.{name} has shape {list(mask.shape)}: a multi-split [N, S] mask, but GNNNodeClassifier "
+            f"needs one split, a bool [{num_nodes}] mask; choose it with FullGraphDataModule(split=k) (or set "
+            f"data.{name} = data.{name}[:, k] before training)"
+        )
+    if mask.dim() != 1 or mask.size(0) != num_nodes:
+        raise ValueError(
+            f"batch.{name} has shape {list(mask.shape)} but the batch has {num_nodes} nodes: a node mask needs "
+            f"one bool entry per node, shape [{num_nodes}]"
+        )
+
+
 def _conv(kind: str, in_dim: int, out_dim: int, heads: int, last: bool) -> nn.Module:
     if kind == "gcn":
         return GCNConv(in_dim, out_dim)
@@ -82,6 +105,10 @@ class GNNNodeClassifier(pl.LightningModule):
     over all nodes of the split, synced across ranks by torchmetrics); with
     ``metric="rocauc"`` also ``val_rocauc`` and ``test_rocauc``; with ``ogb_evaluator`` also
     ``val_ogb_acc`` and ``test_ogb_acc``.
+
+    ``train_mask`` / ``val_mask`` / ``test_mask`` must be bool ``[N]`` masks; a multi-split
+    ``[N, S]`` mask (or an index tensor) raises ``ValueError`` instead of indexing the wrong
+    nodes: choose the split with ``FullGraphDataModule(split=k)``.
 
     Args:
         conv: ``"gcn"``, ``"sage"``, ``"gat"``, ``"gin"`` or ``"graph"``.
@@ -211,7 +238,8 @@ class GNNNodeClassifier(pl.LightningModule):
         return x
 
     @staticmethod
-    def _masked_loss(out: Tensor, y: Tensor, mask: Tensor) -> tuple[Tensor, int]:
+    def _masked_loss(out: Tensor, y: Tensor, mask: Tensor, name: str = "mask") -> tuple[Tensor, int]:
+        _check_node_mask(mask, out.size(0), name)
         count = int(mask.sum())
         if count == 0:
             # A rank without nodes of this split still runs backward (the halo exchange is
@@ -221,7 +249,7 @@ class GNNNodeClassifier(pl.LightningModule):
 
     def training_step(self, batch: Data, batch_idx: int) -> Tensor:
         out = self(batch.x, batch.edge_index)
-        loss, count = self._masked_loss(out, batch.y, batch.train_mask)
+        loss, count = self._masked_loss(out, batch.y, batch.train_mask, "train_mask")
         self.train_loss.update(loss.detach(), weight=max(count, 0))
         self.log("train_loss", self.train_loss, on_step=False, on_epoch=True, prog_bar=True, batch_size=1)
         return loss
@@ -238,7 +266,7 @@ class GNNNodeClassifier(pl.LightningModule):
 
     def validation_step(self, batch: Data, batch_idx: int) -> None:
         out = self(batch.x, batch.edge_index)
-        loss, count = self._masked_loss(out, batch.y, batch.val_mask)
+        loss, count = self._masked_loss(out, batch.y, batch.val_mask, "val_mask")
         self.val_loss.update(loss, weight=count)
         assert self.val_acc is not None
         self.val_acc.update(out[batch.val_mask], batch.y[batch.val_mask])
@@ -248,6 +276,7 @@ class GNNNodeClassifier(pl.LightningModule):
 
     def test_step(self, batch: Data, batch_idx: int) -> None:
         out = self(batch.x, batch.edge_index)
+        _check_node_mask(batch.test_mask, out.size(0), "test_mask")
         assert self.test_acc is not None
         self.test_acc.update(out[batch.test_mask], batch.y[batch.test_mask])
         self.log("test_acc", self.test_acc, on_step=False, on_epoch=True, batch_size=1)

@@ -314,7 +314,13 @@ class FullGraphStrategy(DDPStrategy):
                 f"FullGraphStrategy(mask_key=...) or loss_weighting='mean'"
             )
         mask = data[self.mask_key]
-        if mask.dim() != 1:
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != (partition.plan.num_owned,):
+            if not isinstance(mask, Tensor) or mask.dim() != 2:
+                raise ValueError(
+                    f"`{self.mask_key}` must be a bool tensor with one entry per owned node "
+                    f"({partition.plan.num_owned}), got {getattr(mask, 'dtype', type(mask))} of shape "
+                    f"{list(getattr(mask, 'shape', []))}; a partition folder written by hand may hold another mask"
+                )
             # Summing an [N, S] mask counts every split: the rank weights would be silently wrong.
             raise ValueError(
                 f"`{self.mask_key}` has shape {list(mask.shape)}: one column per split. Choose the split "

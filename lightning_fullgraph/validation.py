@@ -251,6 +251,11 @@ def validate_graph(
     ``data[mask_key]``; ``edge_weight`` / ``edge_attr`` (one finite row per edge).
     Attributes other than these are not inspected.  ``data`` is not modified.
 
+    ``[N, S]`` masks are accepted here because a raw graph may ship them, but training
+    needs ``[N]`` ones: ``FullGraphDataModule(split=k)`` keeps column ``k`` of every such
+    mask (:func:`~lightning_fullgraph.datamodule.select_mask_split`) before it validates
+    and partitions the graph, so ``require_train`` then applies to that split.
+
     Args:
         data: The global graph.
         num_parts: Number of parts it will be split into (the world size), or ``None`` to

@@ -519,3 +519,18 @@ def test_default_cache_dir_untouched_with_explicit_cache(tmp_path: Path) -> None
     existed = home_cache.exists()
     load_dataset("Cora", SHARED / "Planetoid", cache_dir=tmp_path)
     assert home_cache.exists() == existed
+
+
+def test_a_split_that_does_not_exist_is_refused() -> None:
+    """``split=3`` on a dataset that ships one split (``[N]`` masks) or a negative split raises
+    instead of silently training the public split. Negative control: returning ``[N]`` masks
+    unchanged for any split (the earlier behaviour) makes both ``raises`` fail."""
+    from lightning_fullgraph.datasets import _select_split
+
+    one = torch.zeros(5, dtype=torch.bool)
+    assert _select_split(one, 0, "train_mask") is one
+    with pytest.raises(ValueError, match="ships one split"):
+        _select_split(one, 3, "train_mask")
+    with pytest.raises(ValueError, match="split=-1"):
+        _select_split(torch.zeros(5, 2, dtype=torch.bool), -1, "train_mask")
+    assert _select_split(torch.eye(2, dtype=torch.bool), 1, "train_mask").tolist() == [False, True]

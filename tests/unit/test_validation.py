@@ -226,6 +226,31 @@ def test_no_training_node() -> None:
     validate_graph(data, require_train=False)
 
 
+def test_multi_split_masks_raw_accepted_training_sees_one_split() -> None:
+    """A raw ``[N, S]`` graph validates; ``select_mask_split`` (what FullGraphDataModule(split=k)
+    runs before validating and partitioning) hands validation and training ``[N]`` masks, and
+    ``require_train`` then applies to that split alone.  Negative control: the raw graph passes
+    although its column 1 has no training node; only the selected split is refused."""
+    from lightning_fullgraph.datamodule import select_mask_split
+
+    train = torch.zeros(N, 3, dtype=torch.bool)
+    train[:4, 0] = True
+    train[5:, 2] = True
+    data = make_graph(train_mask=train, val_mask=~train, test_mask=torch.ones(N, 3, dtype=torch.bool))
+    validate_graph(data)
+    for k in (0, 2):
+        one = select_mask_split(data, k)
+        validate_graph(one)
+        for key in ("train_mask", "val_mask", "test_mask"):
+            assert one[key].shape == (N,) and torch.equal(one[key], data[key][:, k]), (k, key)
+    raises(select_mask_split(data, 1), r"train_mask has no True entry")
+    assert data.train_mask.shape == (N, 3), "the raw graph is not modified"
+    # Masks that are not bool [N, S] are left to validate_graph, which names the problem.
+    raises(select_mask_split(make_graph(val_mask=torch.ones(N - 1, 2, dtype=torch.bool)), 0),
+           rf"data.val_mask has shape \[{N - 1}, 2\]")
+    raises(select_mask_split(make_graph(val_mask=torch.ones(N, 2)), 0), r"val_mask has dtype torch.float32")
+
+
 def test_train_mask_missing() -> None:
     data = make_graph(train_mask=None)
     raises(data, r"train_mask is missing.*require_train=False")
