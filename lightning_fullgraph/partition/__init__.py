@@ -2,6 +2,7 @@
 
 from lightning_fullgraph.partition.cache import (
     PartitionCacheError,
+    PartitionCacheWriteError,
     PartitionResult,
     ensure_partitions,
     graph_fingerprint,
@@ -21,6 +22,7 @@ __all__ = [
     "HaloPlan",
     "LocalPartition",
     "PartitionCacheError",
+    "PartitionCacheWriteError",
     "PartitionResult",
     "build_local_partitions",
     "ensure_partitions",

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import pickle
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -235,3 +241,160 @@ def test_bad_input_is_refused_before_partitioning(tmp_path, monkeypatch) -> None
     with pytest.raises(GraphValidationError, match="num_parts"):
         FullGraphDataModule(directed_graph(num_nodes=10, num_edges=20, num_isolated=0), num_parts=11,
                             cache_dir=tmp_path).setup("fit")
+
+
+# -- manifest schema, stale temporaries, lock, write errors ------------------------------------
+@pytest.mark.parametrize(
+    "damage, what",
+    [
+        (lambda m: m["parts"][0].pop("bytes"), "parts[0] has no 'bytes'"),
+        (lambda m: m.pop("parts"), "no 'parts' key"),
+        (lambda m: m.update(num_parts="2"), "'num_parts' is \"2\" (str), expected int"),
+        (lambda m: m["parts"][1].update(file="../../etc/passwd"), "parts[1]['file']"),
+        (lambda m: m["parts"][0].update(sha256=None), "parts[0]['sha256'] is null"),
+        (lambda m: m.update(num_classes=True), "'num_classes' is true (bool)"),
+    ],
+)
+def test_manifest_with_another_schema_is_explained_not_a_key_error(tmp_path, damage, what) -> None:
+    """Valid JSON with another schema: every reader names the manifest, what is wrong and what to
+    do; ensure_partitions rebuilds it.  Negative control: before the schema check this raised
+    ``KeyError: 'bytes'`` (check_manifest / load_part) or used the wrong types."""
+    data = directed_graph()
+    result = ensure_partitions(data, 2, cache_root=tmp_path)
+    manifest = read_manifest(result.folder)
+    damage(manifest)
+    (result.folder / "manifest.json").write_text(json.dumps(manifest))
+    reason = check_manifest(result.folder, {})
+    assert reason is not None and "does not match the expected schema" in reason and what in reason
+    assert str(result.folder / "manifest.json") in reason and "delete the folder" in reason
+    for call in (lambda: read_manifest(result.folder), lambda: load_part(result.folder, 0),
+                 lambda: FullGraphDataModule(str(result.folder), num_parts=2).prepare_data()):
+        with pytest.raises(PartitionCacheError, match="does not match the expected schema"):
+            call()
+    again = ensure_partitions(data, 2, cache_root=tmp_path)
+    assert again.rebuilt and "schema" in again.reason and load_part(again.folder, 1).plan.rank == 1
+
+
+def test_manifest_that_is_not_an_object_is_explained(tmp_path) -> None:
+    folder = tmp_path / "p"
+    folder.mkdir()
+    (folder / "manifest.json").write_text("[1, 2]")
+    reason = check_manifest(folder, {})
+    assert reason is not None and "top level is a JSON list" in reason
+    with pytest.raises(PartitionCacheError, match="top level is a JSON list"):
+        load_part(folder, 0)
+
+
+def _old(path, hours: float = 7) -> None:
+    t = time.time() - hours * 3600
+    for p in (path, *path.iterdir()):
+        os.utime(p, (t, t))
+
+
+def test_stale_temporaries_are_removed_and_live_ones_kept(tmp_path) -> None:
+    """Removed: a temporary folder whose writer (this host) is gone, one untouched for more than
+    STALE_TEMP_SECONDS (other host), an old one from earlier versions, a discarded one.  Kept:
+    those of a live writer, a recent one of another host, lock files and partition folders.
+    Negative control: none of them was ever removed before (the issue)."""
+    name = "metis-edges-p2-s0-0123456789abcdef"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+
+    def temp(label: str, owner: dict | None) -> Path:
+        path = tmp_path / f".{name}.tmp-{label}"
+        path.mkdir()
+        (path / "part-00000.pt").write_bytes(b"x")
+        if owner is not None:
+            (path / ".owner.json").write_text(json.dumps(owner))
+        return path
+
+    me = cache_mod._owner()
+    dead = temp("dead", {**me, "pid": gone.pid, "start": None})
+    reused = temp("reused", {**me, "start": "1"})  # this pid, another start time: a reused pid
+    live = temp("live", me)
+    elsewhere = temp("elsewhere", {**me, "host": "another-host"})
+    old_elsewhere = temp("old-elsewhere", {**me, "host": "another-host"})
+    _old(old_elsewhere)
+    legacy_old, legacy_new = tmp_path / f".{name}.abcd_123", tmp_path / f".{name}.efgh_456"
+    for path in (legacy_old, legacy_new):
+        path.mkdir()
+    _old(legacy_old)
+    trash = tmp_path / f".{name}.trash-x"
+    trash.mkdir()
+    lock = tmp_path / f".{name}.lock"
+    lock.write_text("")
+    (tmp_path / name).mkdir()
+    removed = cache_mod.clean_stale_temporaries(tmp_path)
+    assert sorted(removed) == sorted([dead, reused, old_elsewhere, legacy_old, trash])
+    assert all(p.exists() for p in (live, elsewhere, legacy_new, lock, tmp_path / name))
+
+
+def test_waiting_for_the_lock_times_out_with_the_holder_and_the_fix(tmp_path, monkeypatch) -> None:
+    import fcntl
+
+    data = directed_graph()
+    folder = tmp_path / cache_mod.partition_folder_name(graph_fingerprint(data), "metis", 2, 0)
+    lock = tmp_path / f".{folder.name}.lock"
+    lock.write_text(json.dumps({"pid": 4242, "host": "node7", "time": time.time()}))
+    with open(lock) as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        start = time.perf_counter()
+        with pytest.raises(PartitionCacheError) as info:
+            ensure_partitions(data, 2, cache_root=tmp_path, lock_timeout=0.3)
+        assert time.perf_counter() - start < 5
+        monkeypatch.setenv(cache_mod.LOCK_TIMEOUT_ENV, "0.1")
+        with pytest.raises(PartitionCacheError, match="waited"):
+            ensure_partitions(data, 2, cache_root=tmp_path)
+    message = str(info.value)
+    assert str(lock) in message and "pid 4242 on node7" in message and cache_mod.LOCK_TIMEOUT_ENV in message
+    assert not folder.exists()
+    assert ensure_partitions(data, 2, cache_root=tmp_path).rebuilt  # released: builds
+    monkeypatch.setenv(cache_mod.LOCK_TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match="number of seconds"):
+        ensure_partitions(data, 2, cache_root=tmp_path, seed=3)
+
+
+def test_write_errors_are_wrapped_or_passed_through_and_clean_up(tmp_path, monkeypatch) -> None:
+    """torch's stream error (no errno) becomes a PartitionCacheWriteError naming the file; any
+    other error passes through unchanged; both leave no temporary folder behind."""
+    data = directed_graph()
+
+    def fail(exc):
+        def save(state, path):
+            path.write_bytes(b"partial")
+            raise exc
+        return save
+
+    monkeypatch.setattr(cache_mod, "_save_part", fail(RuntimeError("PytorchStreamWriter failed writing file data/0")))
+    with pytest.raises(cache_mod.PartitionCacheWriteError, match="part-00000.pt") as info:
+        ensure_partitions(data, 2, cache_root=tmp_path)
+    assert info.value.errno == errno.EIO and "PytorchStreamWriter" in str(info.value)
+    assert info.value.needed > 0 and info.value.free > info.value.needed
+    monkeypatch.setattr(cache_mod, "_save_part", fail(OSError(errno.EDQUOT, "Disk quota exceeded")))
+    with pytest.raises(OSError, match="disk quota exceeded") as info:
+        ensure_partitions(data, 2, cache_root=tmp_path)
+    assert info.value.errno == errno.EDQUOT
+    err = pickle.loads(pickle.dumps(info.value))
+    assert err.errno == errno.EDQUOT and str(err) == str(info.value) and err.path == info.value.path
+    monkeypatch.setattr(cache_mod, "_save_part", fail(ValueError("unrelated")))
+    with pytest.raises(ValueError, match="unrelated"):
+        ensure_partitions(data, 2, cache_root=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == []
+
+
+def test_write_partitions_keeps_a_valid_folder_and_replaces_an_invalid_one(tmp_path) -> None:
+    """Publishing never deletes a valid folder of the same partition (another writer's), and
+    replaces an invalid one whole."""
+    data = directed_graph()
+    result = ensure_partitions(data, 2, cache_root=tmp_path)
+    manifest = read_manifest(result.folder)
+    parts = [load_part(result.folder, r) for r in range(2)]
+    meta = {k: v for k, v in manifest.items() if k not in ("parts", "created", "format_version")}
+    assert cache_mod.write_partitions(result.folder, parts, meta)["created"] == manifest["created"]
+    part = result.folder / "part-00001.pt"
+    raw = bytearray(part.read_bytes())
+    raw[-10] ^= 0xFF  # same size, fails only its checksum
+    part.write_bytes(bytes(raw))
+    rewritten = cache_mod.write_partitions(result.folder, parts, meta)
+    assert rewritten["created"] != manifest["created"] and load_part(result.folder, 1).plan.rank == 1
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name or ".trash-" in p.name] == []
