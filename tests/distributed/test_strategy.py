@@ -127,7 +127,7 @@ def test_unsupported_conv_error_is_a_type_error() -> None:
 
     data = directed_graph()
     part = build_local_partitions(data, torch.zeros(data.num_nodes, dtype=torch.long), 1)[0]
-    with pytest.raises(UnsupportedConvError, match="register_conv_adapter"):
+    with pytest.raises(UnsupportedConvError, match="multi-hop"):
         install_adapters(_Cheb(), HaloContext(HaloExchanger(part.plan)))
 
 
