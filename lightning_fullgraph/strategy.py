@@ -117,6 +117,8 @@ class FullGraphStrategy(DDPStrategy):
         mask_key: Node mask that defines the training nodes for ``"train_mask"`` weighting.
         timeout: Process-group timeout; a rank that dies makes the others fail after it.
         start_method: ``"popen"`` (default, scripts and CLI), ``"fork"``, ``"spawn"``, ...
+            With several ranks, SIGTERM/SIGINT stop every rank within seconds (status
+            ``128 + signum``) and no rank outlives its launcher (:mod:`lightning_fullgraph._shutdown`).
         process_group_backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA); inferred by default.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (accelerator,
             parallel_devices, cluster_environment, checkpoint_io, precision_plugin).
@@ -467,19 +469,39 @@ class FullGraphStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        self.policy.teardown(failed=self._failed)
-        if self._adapters is not None:
-            uninstall_adapters(self._adapters)
-            self._adapters = None
-        if self._exchanger is not None:
-            self._exchanger.clear_cache()
-        self._comm_warning.remove()
-        super().teardown()
+        from lightning_fullgraph._shutdown import active_guard
+
+        guard = active_guard()
+        signalled = guard is not None and guard.signum is not None
+        try:
+            # after SIGTERM/SIGINT a peer may be gone: forget transfers in flight, never wait
+            self.policy.teardown(failed=self._failed or signalled)
+            if self._adapters is not None:
+                uninstall_adapters(self._adapters)
+                self._adapters = None
+            if self._exchanger is not None:
+                self._exchanger.clear_cache()
+            self._comm_warning.remove()
+            super().teardown()
+        finally:
+            if guard is not None:
+                # a signalled rank ends here (status 128 + signum), after Lightning's exception
+                # path ran, instead of in interpreter shutdown behind in-flight collectives
+                guard.finish_if_signalled()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        from lightning_fullgraph._shutdown import active_guard
+
         self._failed = True
         super().on_exception(exception)
+        guard = active_guard()
+        if guard is not None and guard.signum is not None:
+            return  # stopped by a signal: a peer's closed connection is not the cause
+        if getattr(self, "_exchange_started", None) is False:
+            # failed before any loop (setup, configuration): no halo exchange to blame.  (In
+            # the parent of forked ranks the flag is unknown: their error is augmented as before.)
+            return
         message = str(exception)
         if any(s in message for s in ("Timed out", "timed out", "Connection closed", "Connection reset")):
             exception.args = (
@@ -488,6 +510,60 @@ class FullGraphStrategy(DDPStrategy):
                 "Check the other ranks' logs; every rank must run the same model, and a loss that "
                 "does not depend on the model output on some rank skips its backward exchanges.",
             ) + tuple(exception.args[1:])
+
+    # -- shutdown (lightning_fullgraph._shutdown) -----------------------------------------
+    @override
+    def _configure_launcher(self) -> None:
+        # Lightning's launchers, plus: SIGTERM/SIGINT stop every rank within seconds with
+        # status 128 + signum, and no rank outlives the launcher or a failed run.
+        from lightning_fullgraph._shutdown import (
+            FullGraphMultiprocessingLauncher,
+            FullGraphSubprocessLauncher,
+        )
+
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = FullGraphSubprocessLauncher(
+                self, self.cluster_environment, self.num_processes, self.num_nodes
+            )
+        else:
+            self._launcher = FullGraphMultiprocessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        self._exchange_started = False
+        super().setup_environment()
+
+    def _entering_loop(self) -> None:
+        """A loop starts: halo exchanges follow.  Lightning installed its SIGTERM handler (it
+        broadcasts, which deadlocks against a halo transfer) after the launcher installed the
+        shutdown guard's: put the guard's back."""
+        from lightning_fullgraph._shutdown import active_guard
+
+        self._exchange_started = True
+        guard = active_guard()
+        if guard is not None:
+            guard.reassert()
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._entering_loop()
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._entering_loop()
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._entering_loop()
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._entering_loop()
 
     # -- checkpointing --------------------------------------------------------------------
     @override
