@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 MODES = ("exact", "adaqp", "sylvie")
 #: Key of the policies' state in a Lightning checkpoint.
 CHECKPOINT_KEY = "fullgraph_policy"
+#: Lightning's default ``log_every_n_steps`` (lowered to 1: one step per epoch here).
+_LIGHTNING_DEFAULT_LOG_EVERY = 50
 #: Manifest fields that identify a run's partitions (recorded in checkpoints).
 PARTITION_KEYS = ("fingerprint", "method", "balance", "num_parts", "seed")
 LOSS_WEIGHTINGS = ("train_mask", "mean", "sum")
@@ -299,6 +301,10 @@ class FullGraphStrategy(DDPStrategy):
         _warn_non_exact_layers(self.lightning_module)
         if fitting:
             self._loss_scale = self._compute_loss_scale(partition)
+            if trainer.log_every_n_steps == _LIGHTNING_DEFAULT_LOG_EVERY:
+                # One optimizer step per epoch: Lightning's default of 50 steps would log the
+                # training metrics once every 50 epochs (none at all in a 50-epoch run).
+                trainer.log_every_n_steps = 1
         self._comm_warning.install()
         if self._comm_callback not in trainer.callbacks:
             trainer.callbacks.append(self._comm_callback)
@@ -352,7 +358,32 @@ class FullGraphStrategy(DDPStrategy):
             self.step_figures = dict(self.policy.on_train_epoch_start(epoch))
             exchanger.begin_step(training=True)
             self._in_step = True
+        self._set_log_batch_size("train_mask")
         return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._set_log_batch_size("val_mask")
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._set_log_batch_size("test_mask")
+        return super().test_step(*args, **kwargs)
+
+    def _set_log_batch_size(self, mask_key: str) -> None:
+        """The ``batch_size`` of the step's ``self.log`` calls: this rank's nodes in the stage's
+        mask.  Lightning cannot infer it from a graph (it warns and uses 1), and with it an
+        epoch mean logged with ``sync_dist=True`` is the mean over all nodes of the stage,
+        weighted by each rank's share, instead of a plain average of ranks of different size.
+        An explicit ``batch_size=`` in ``self.log`` still wins."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        results = getattr(trainer, "_results", None) if trainer is not None else None
+        if results is None or self._partition is None:
+            return
+        mask = getattr(self._partition.data, mask_key, None)
+        count = int(mask.sum()) if isinstance(mask, Tensor) and mask.dtype == torch.bool else 1
+        results.batch_size = count
 
     @override
     def backward(
