@@ -110,10 +110,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="test accuracy of exact/adaqp/sylvie on Cora, hidden 256, 100 epochs, 2 and 4 ranks")
     preset.add_argument("--scaling", action="store_true",
                         help="scaling sweep only: community 10^4/3*10^4/10^5 nodes at 1, 2, 4 ranks (exact)")
+    preset.add_argument("--scale", action="store_true",
+                        help="products-scale sweep: the products-like graph at 10^5 / 3*10^5 / 10^6 / 2.45*10^6 "
+                        "nodes, partition time and memory, 4 ranks x exact/adaqp/sylvie x gcn/sage, fitted exponents "
+                        "(its own options: run.py --scale --help; see bench_scale.py)")
     p.add_argument("--name", help="results file stem (default: the preset's name, else 'bench')")
     p.add_argument("--out-dir", default=str(BENCH_DIR / "results"), help="where <name>.json/.md/.png go")
-    p.add_argument("--graph", choices=("community", "tolokers", "cora"), help="graph of the main comparison")
-    p.add_argument("--nodes", type=int, help="nodes of the generated community graph, 10^4 .. 10^6 (default 10^5)")
+    p.add_argument("--graph", choices=("community", "products-like", "tolokers", "cora"),
+                   help="graph of the main comparison")
+    p.add_argument("--nodes", type=int, help="nodes of the generated community or products-like graph, 10^4 .. "
+                   "2449029 (default 10^5)")
     p.add_argument("--avg-degree", type=float, default=8.0,
                    help="mean degree of the generated community graph (default 8; the issue-10 table: 40)")
     p.add_argument("--conv", choices=("gcn", "sage"), default="gcn")
@@ -388,6 +394,11 @@ def load_graph(kind: str, nodes: int, cache_dir: Path, seed: int):
         if deg != 8.0:
             key, label = f"{key}-d{deg:g}", f"{label}, mean degree {deg:g}"
         return community_graph(num_nodes=nodes, avg_degree=deg, seed=seed), key, label
+    if kind == "products-like":
+        from lightning_fullgraph.generated import products_like_graph
+
+        size = f"{nodes / 1e6:g}M" if nodes >= 10**6 else f"{nodes / 1e3:g}k"
+        return products_like_graph(num_nodes=nodes, seed=seed), f"products-like-{nodes}", f"products-like {size}"
     if kind == "tolokers":
         root = SHARED / "Heterophilous"
         if not root.is_dir():
@@ -757,6 +768,11 @@ def main(argv: list[str] | None = None) -> int:
         from peer import main as peer_main
 
         return peer_main(argv[1])
+    if "--scale" in argv:
+        # the products-scale sweep (generation, partitioning, training up to 2.45M nodes)
+        from bench_scale import main as scale_main
+
+        return scale_main(argv)
     if argv[:1] == ["--render"]:
         # rewrite <name>.md and <name>.png from an existing <name>.json (no benchmark run)
         from bench_report import markdown, plot

@@ -6,6 +6,11 @@ processes, each holding one METIS part of the embedded "community" graph; halo m
 travel quantized (AdaQP).  With ``strategy="fullgraph_exact"`` (fp32 messages) the result
 equals training on the whole graph in one process.
 
+Validation and test accuracy are torchmetrics ``MulticlassAccuracy`` objects logged with
+``self.log(name, metric)``: each rank counts its correct and total nodes, torchmetrics sums the
+counts over ranks and divides once, so the logged value is the accuracy over every node of the
+split (not a mean of per-rank accuracies).
+
     python examples/train_custom_module.py
     python examples/train_custom_module.py --strategy fullgraph_exact --devices 4 --max-epochs 50
 
@@ -23,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch_geometric.data import Data
 from torch_geometric.nn import SAGEConv
+from torchmetrics.classification import MulticlassAccuracy
 
 import lightning_fullgraph  # noqa: F401  (registers "fullgraph_quant" with Lightning)
 from lightning_fullgraph import FullGraphDataModule
@@ -36,6 +42,10 @@ class SAGE(pl.LightningModule):
         self.save_hyperparameters()
         self.conv1 = SAGEConv(in_channels, hidden)
         self.conv2 = SAGEConv(hidden, num_classes)
+        # Metric objects: their state (correct and total counts) is summed over ranks when
+        # Lightning computes them at epoch end.  One object per split: never share one.
+        self.val_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes, average="micro")
 
     def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
         x = F.relu(self.conv1(x, edge_index))
@@ -49,32 +59,23 @@ class SAGE(pl.LightningModule):
         # [N]: for a graph shipping [N, S] multi-split masks (tolokers, Actor, ...),
         # FullGraphDataModule(..., split=k) keeps split k before partitioning.
         loss = F.cross_entropy(out[batch.train_mask], batch.y[batch.train_mask])
-        self.log(
-            "train_loss",
-            loss,
-            on_step=False,
-            on_epoch=True,
-            batch_size=int(batch.train_mask.sum()),
-            sync_dist=True,
-        )
+        # No batch_size needed: the strategy sets it to this rank's training nodes, so the
+        # epoch value synced over ranks is the mean loss over all training nodes.
+        self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
         return loss
 
-    def _accuracy(self, batch: Data, mask: Tensor) -> tuple[Tensor, int]:
+    def _update(self, metric: MulticlassAccuracy, batch: Data, mask: Tensor) -> None:
         pred = self(batch.x, batch.edge_index).argmax(-1)
-        count = int(mask.sum())
-        correct = (
-            (pred[mask] == batch.y[mask]).float().mean() if count else pred.new_zeros((), dtype=torch.float)
-        )
-        return correct, count
+        metric.update(pred[mask], batch.y[mask])  # a rank with no node in the mask adds nothing
 
     def validation_step(self, batch: Data, batch_idx: int) -> None:
-        acc, count = self._accuracy(batch, batch.val_mask)
-        # batch_size=count + sync_dist: the logged value is the node-weighted mean over ranks.
-        self.log("val_acc", acc, batch_size=max(count, 1), sync_dist=True, prog_bar=True)
+        self._update(self.val_acc, batch, batch.val_mask)
+        # Log the metric object, not a tensor: torchmetrics syncs exact counts across ranks.
+        self.log("val_acc", self.val_acc, prog_bar=True)
 
     def test_step(self, batch: Data, batch_idx: int) -> None:
-        acc, count = self._accuracy(batch, batch.test_mask)
-        self.log("test_acc", acc, batch_size=max(count, 1), sync_dist=True)
+        self._update(self.test_acc, batch, batch.test_mask)
+        self.log("test_acc", self.test_acc)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=0.01, weight_decay=5e-4)

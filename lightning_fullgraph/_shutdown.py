@@ -28,15 +28,29 @@ rank of a multi-rank run has a :class:`ShutdownGuard`:
   run it exits at once, which is what lets them fail.  When a rank fails, the launcher gets
   :data:`GRACE` seconds to fail on its own before it exits (Lightning SIGKILLs it at once).
 * The signal handlers and the wakeup fd in place before the run are restored after it.
+
+How a run that fails says why:
+
+* Configuration errors every rank would hit (parts that do not match the ranks, a graph
+  without training nodes, an unsupported conv, no FullGraphDataModule) are found by the
+  launcher before it starts any rank (:mod:`lightning_fullgraph.preflight`): one ordinary
+  exception, no rank started, no process-group timeout.
+* In a ``popen`` run, the rank that finds an error reports it (prints it) and its peers,
+  which then lose it (closed connection, timeout) or raise the same error, end quietly with
+  status 1 (:func:`claim_report`): the output ends with that error, once, and without the
+  halo-exchange paragraph, which is kept for a peer that stopped without a word (killed).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -55,6 +69,8 @@ __all__ = [
     "FullGraphSubprocessLauncher",
     "ShutdownGuard",
     "active_guard",
+    "claim_report",
+    "is_lost_peer",
 ]
 
 #: Seconds a rank has to stop after SIGTERM/SIGINT before it exits regardless.
@@ -71,6 +87,15 @@ POLL = 1.0
 LAUNCHER_PID_ENV = "LIGHTNING_FULLGRAPH_LAUNCHER_PID"
 #: The signals that stop a run.
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: Environment variable naming the folder where the ranks of one ``popen`` run note which
+#: error is reported (:func:`claim_report`).
+RUN_DIR_ENV = "LIGHTNING_FULLGRAPH_RUN_DIR"
+#: Prefix of those folders (in the temporary directory).
+_RUN_DIR_PREFIX = "lightning_fullgraph-run-"
+#: What the error of a rank whose peer stopped says (gloo's closed connection, a timeout).
+LOST_PEER_TEXTS = ("Timed out", "timed out", "Connection closed", "Connection reset")
+#: Attribute marking an exception another rank has reported (printed by no one here).
+_REPORTED_ELSEWHERE = "_fullgraph_reported_elsewhere"
 
 _active: ShutdownGuard | None = None
 #: A guard that received a signal stays reachable after its ``launch`` returned: Lightning's
@@ -205,7 +230,9 @@ class ShutdownGuard:
             self._restore_handlers()
             self._close_pipe()
             return False
-        self._watcher = threading.Thread(target=self._watch, args=(read_fd,), daemon=True, name="fullgraph-signals")
+        self._watcher = threading.Thread(
+            target=self._watch, args=(read_fd,), daemon=True, name="fullgraph-signals"
+        )
         self._watcher.start()
         self._installed = True
         _active = self
@@ -315,7 +342,9 @@ class ShutdownGuard:
             self.exit_now()
         time.sleep(max(0.0, start + self.grace - time.monotonic()))
         if not self._exiting:
-            _write(f"{self._prefix()}FullGraphStrategy: still running {self.grace:.0f} s after the signal; exiting now\n")
+            _write(
+                f"{self._prefix()}FullGraphStrategy: still running {self.grace:.0f} s after the signal; exiting now\n"
+            )
             self.exit_now()
         # the main thread is in exit_now (waiting for the launched ranks): a last resort only
         time.sleep(max(0.0, start + KILL_AFTER + 3.0 - time.monotonic()))
@@ -365,6 +394,139 @@ def _forget_inherited() -> None:
         signal.set_wakeup_fd(-1)
     inherited._restore_handlers()
     inherited._close_pipe()  # this process's copies of the fds only
+
+
+# ------------------------------------------------------------------------------- reports
+def is_lost_peer(exception: BaseException) -> bool:
+    """Whether ``exception`` is what a rank gets when a peer stopped taking part (a closed
+    connection, a collective's timeout) rather than an error of its own."""
+    message = str(exception)
+    return any(text in message for text in LOST_PEER_TEXTS)
+
+
+def _error_text(exception: BaseException) -> str:
+    return f"{type(exception).__name__}: {exception}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: someone else's process
+        return True
+    return True
+
+
+def make_run_dir() -> str:
+    """Creates the folder where the ranks of a run note the error that is reported (see
+    :func:`claim_report`), after removing the folders of earlier runs whose launcher has
+    exited.  (A failed run leaves its folder behind: its ranks may read it after the launcher
+    has exited.)"""
+    root = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            pid = entry.name[len(_RUN_DIR_PREFIX) :].split("-", 1)[0]
+            if not entry.name.startswith(_RUN_DIR_PREFIX) or not pid.isdigit() or _pid_alive(int(pid)):
+                continue
+            with contextlib.suppress(OSError):
+                info = entry.stat(follow_symlinks=False)
+                if (
+                    entry.is_dir(follow_symlinks=False)
+                    and info.st_uid == os.getuid()
+                    and time.time() - info.st_mtime > 60
+                ):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{_RUN_DIR_PREFIX}{os.getpid()}-")
+
+
+def _report_path() -> str | None:
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    return os.path.join(run_dir, "reported") if run_dir and os.path.isdir(run_dir) else None
+
+
+def _read_report(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return report if isinstance(report, dict) else None
+
+
+def _reporter_pid() -> int | None:
+    """The process that reported this run's error, if any."""
+    path = _report_path()
+    report = _read_report(path) if path is not None else None
+    pid = report.get("pid") if report is not None else None
+    return pid if isinstance(pid, int) else None
+
+
+def reported_elsewhere() -> bool:
+    """Whether a process of this run (other than this one) has reported an error."""
+    pid = _reporter_pid()
+    return pid is not None and pid != os.getpid()
+
+
+def claim_report(exception: BaseException, rank: int | None = None) -> bool:
+    """Decides whether this rank reports ``exception`` (prints it) or leaves that to the rank
+    of the run that found the error, so that the run's output ends with that error, once.
+
+    The first rank to fail with an error of its own (not a lost peer) records it in the run's
+    folder (:data:`RUN_DIR_ENV`, made by the ``popen`` launcher) and reports it.  A later
+    failure on another rank is left to that rank when it is a consequence of it (a closed
+    connection or a timeout: :func:`is_lost_peer`) or the same error (every rank raised it
+    alike).  A different error, a lost peer that nobody reported (a rank was killed), and
+    every failure outside a ``popen`` run are reported.
+
+    Args:
+        exception: The error this rank stops with.
+        rank: This rank (recorded with the error).
+
+    Returns:
+        Whether to report it.  When not, the exception is marked and the process's
+        ``sys.excepthook`` prints nothing for it: uncaught, it ends the process quietly with
+        status 1 (code that catches it still gets it).
+    """
+    path = _report_path()
+    if path is None:
+        return True
+    lost_peer = is_lost_peer(exception)
+    text = _error_text(exception)
+    if not lost_peer:
+        mine = f"{path}.{os.getpid()}"
+        try:
+            with open(mine, "w") as f:
+                json.dump({"pid": os.getpid(), "rank": rank, "error": text}, f)
+            os.link(mine, path)  # atomic: fails if another rank reported first
+            return True
+        except FileExistsError:
+            pass
+        except OSError:
+            return True
+    report = _read_report(path)
+    if report is None or report.get("pid") == os.getpid():
+        return True
+    if lost_peer or report.get("error") == text:
+        _leave_to_reporter(exception)
+        return False
+    return True
+
+
+def _leave_to_reporter(exception: BaseException) -> None:
+    with contextlib.suppress(AttributeError, TypeError):
+        setattr(exception, _REPORTED_ELSEWHERE, True)
+    previous = sys.excepthook
+    if getattr(previous, _REPORTED_ELSEWHERE, False):
+        return
+
+    def excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if getattr(exc, _REPORTED_ELSEWHERE, False):
+            return  # another rank printed the run's error
+        previous(exc_type, exc, tb)
+
+    setattr(excepthook, _REPORTED_ELSEWHERE, True)
+    sys.excepthook = excepthook
 
 
 # ------------------------------------------------------------------------------ children
@@ -426,7 +588,10 @@ class _RankObserver(threading.Thread):
             if time.monotonic() - failed_at < GRACE:
                 continue
             rank, code = failed[0]
-            _write(f"[rank 0] FullGraphStrategy: local rank {rank} exited with status {code}; stopping the launcher\n")
+            if not reported_elsewhere():  # (else its error, printed, says why)
+                _write(
+                    f"[rank 0] FullGraphStrategy: local rank {rank} exited with status {code}; stopping the launcher\n"
+                )
             _flush_streams()
             os._exit(1)
 
@@ -436,37 +601,78 @@ class _LauncherExit:
     get up to the process-group timeout to finish (they are normally right behind it), then
     SIGTERM and, :data:`KILL_AFTER` s later, SIGKILL.  After a signal they get what is left of
     :data:`KILL_AFTER`; after a failed run none: they are waiting for this process, and its
-    exit is what lets them fail (see :func:`_watch_launcher`)."""
+    exit is what lets them fail (see :func:`_watch_launcher`).  The run's report folder
+    (:func:`claim_report`) is removed once its ranks are gone; a failed run leaves it to the
+    next run's :func:`make_run_dir` (its ranks may still read it)."""
 
-    def __init__(self, children: Sequence[Any], guard: ShutdownGuard, observer: _RankObserver, wait: float) -> None:
+    def __init__(
+        self,
+        children: Sequence[Any],
+        guard: ShutdownGuard,
+        observer: _RankObserver,
+        wait: float,
+        run_dir: str | None = None,
+    ) -> None:
         self.children = children
         self.guard = guard
         self.observer = observer
         self.wait = wait
+        self.run_dir = run_dir
         self.run_failed = False
 
     def __call__(self) -> None:
         self.observer.exiting = True
+        if self._stop_children() and self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _stop_children(self) -> bool:
+        """Stops the ranks as the class says; returns whether they are gone."""
         children = self.children
         if not any(_child_alive(p) for p in children):
-            return
+            return True
         guard = self.guard
         if guard.signum is not None and guard.received_at is not None:
             stop_children(children, None, guard.received_at + KILL_AFTER)
-            return
+            return True
         if self.run_failed:
-            return
+            # A rank that reported the run's error is printing it: the launcher's exit (the
+            # shell's prompt) comes after it.  The others wait for this exit to fail.
+            reporter = _reporter_pid()
+            deadline = time.monotonic() + GRACE
+            while (
+                any(p.pid == reporter and _child_alive(p) for p in children) and time.monotonic() < deadline
+            ):
+                time.sleep(0.05)
+            return False
         deadline = time.monotonic() + self.wait
         while any(_child_alive(p) for p in children) and time.monotonic() < deadline:
             time.sleep(0.05)
         if any(_child_alive(p) for p in children):
             _write("[rank 0] FullGraphStrategy: stopping the ranks still running as the launcher exits\n")
             stop_children(children, signal.SIGTERM, time.monotonic() + KILL_AFTER)
+        return True
 
 
 def _timeout_seconds(strategy: Any) -> float:
     timeout = getattr(strategy, "_timeout", None)
     return timeout.total_seconds() if isinstance(timeout, timedelta) else 1800.0
+
+
+def _preflight(
+    trainer: Any, function: Callable, args: tuple, kwargs: dict, load_graph: bool, environment: Any
+) -> None:
+    """:func:`lightning_fullgraph.preflight.check_before_launch`; an error it finds is raised
+    without the checks' own frames (its message says what to fix)."""
+    from lightning_fullgraph.preflight import check_before_launch
+
+    node_rank = environment.node_rank() if environment is not None else 0
+    found: Exception | None = None
+    try:
+        check_before_launch(trainer, function, args, kwargs, load_graph=load_graph, node_rank=node_rank)
+    except Exception as err:
+        found = err
+    if found is not None:
+        raise found.with_traceback(None)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -490,6 +696,10 @@ class FullGraphSubprocessLauncher(_SubprocessScriptLauncher):
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         spawns = not self.cluster_environment.creates_processes_externally
         launcher_pid = os.environ.get(LAUNCHER_PID_ENV, "")
+        if spawns or not launcher_pid.isdigit():
+            # Before any rank starts (under an external launcher: in every rank alike), so
+            # that a configuration error is raised here, once, and no rank waits for a peer.
+            _preflight(trainer, function, args, kwargs, spawns, self.cluster_environment)
         if not spawns and launcher_pid.isdigit() and os.environ.get("LOCAL_RANK", "0") != "0":
             _watch_launcher(int(launcher_pid), self._rank)
         multi_rank = self.num_processes * self.num_nodes > 1
@@ -497,11 +707,17 @@ class FullGraphSubprocessLauncher(_SubprocessScriptLauncher):
         with guard.active() if multi_rank else contextlib.nullcontext(guard):
             if spawns:
                 os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+                run_dir = None
+                if self.num_processes > 1:
+                    # where the ranks note which error is reported (claim_report)
+                    run_dir = os.environ[RUN_DIR_ENV] = make_run_dir()
                 self._call_children_scripts()
                 if self.procs:
                     observer = _RankObserver(self.procs, guard)
                     observer.start()
-                    self._at_exit = _LauncherExit(self.procs, guard, observer, _timeout_seconds(self._strategy))
+                    self._at_exit = _LauncherExit(
+                        self.procs, guard, observer, _timeout_seconds(self._strategy), run_dir
+                    )
                     atexit.register(self._at_exit)
             _set_num_threads_if_needed(num_processes=self.num_processes)
             try:
@@ -521,6 +737,10 @@ class FullGraphMultiprocessingLauncher(_MultiProcessingLauncher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        # In the parent, before any rank starts; forked ranks inherit the graph it loaded
+        # (spawned ones would receive a pickled copy each: the ranks check it then).
+        fork = self._start_method == "fork"
+        _preflight(trainer, function, args, kwargs, fork, self._strategy.cluster_environment)
         if self._strategy.num_processes <= 1:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         guard = ShutdownGuard(children=lambda: list(getattr(self, "procs", [])), hard_exit=False)

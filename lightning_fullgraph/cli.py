@@ -28,7 +28,10 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import shutil
 import sys
 import time
 import warnings
@@ -38,8 +41,10 @@ from types import MethodType
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, instantiate_class
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback, instantiate_class
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
@@ -81,7 +86,14 @@ class FullGraphCLI(LightningCLI):
     * ``fit --test_after_fit`` (default true) tests the final weights after training and
       ``predict --predictions_path FILE`` saves the globally ordered node outputs;
     * optimizers given with ``--optimizer`` are built when the trainer asks for them, i.e.
-      after ``configure_model`` (models that build their layers lazily work).
+      after ``configure_model`` (models that build their layers lazily work);
+    * run folders: unless the configuration names a ``ModelCheckpoint`` (or disables
+      checkpointing), checkpoints are kept as ``ModelCheckpoint(save_last=True)`` does, so
+      ``<log_dir>/checkpoints/last.ckpt`` (a plain file) always exists after ``fit``;
+      ``fit``'s test after training logs into fit's events file; ``predict`` has no logger
+      unless one is configured (no ``version_N/`` folder, no ``config.yaml``); a run that
+      fails before its first batch removes the ``version_N/`` folder it created (see
+      :class:`RemoveEmptyRunFolder`).
 
     Args:
         args: Command-line arguments (``None``: ``sys.argv[1:]``), as for ``LightningCLI``.
@@ -91,13 +103,24 @@ class FullGraphCLI(LightningCLI):
 
     def __init__(self, args: Any = None, **kwargs: Any) -> None:
         from lightning_fullgraph.datamodule import FullGraphDataModule
-        from lightning_fullgraph.models import GNNNodeClassifier
 
-        kwargs.setdefault("model_class", GNNNodeClassifier)
+        # Any LightningModule (subclass mode, default class_path: GNNNodeClassifier).
+        kwargs.setdefault("model_class", LightningModule)
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("datamodule_class", FullGraphDataModule)
         kwargs.setdefault("seed_everything_default", 0)
+        kwargs.setdefault("save_config_callback", _SaveConfigCallback)
+        self._deferred_finalize = _DeferredFinalize()
         super().__init__(args=args, **kwargs)
+
+    def _prepare_subcommand_parser(
+        self, klass: type, subcommand: str, **kwargs: Any
+    ) -> LightningArgumentParser:
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        if subcommand == "predict":
+            # predict logs no metrics: without a logger asked for, no version_N/ folder
+            parser.set_defaults({"trainer.logger": False})
+        return parser
 
     # -- parser -----------------------------------------------------------------------------
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -149,24 +172,68 @@ class FullGraphCLI(LightningCLI):
         self.model.configure_optimizers = MethodType(configure_optimizers, self.model)  # type: ignore[method-assign]
         return None
 
-    # -- after the subcommands --------------------------------------------------------------
+    # -- trainer ----------------------------------------------------------------------------
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """Instantiates the trainer with a ``ModelCheckpoint(save_last=True)`` unless the
+        configuration gives a ``ModelCheckpoint`` or disables checkpointing, and with
+        :class:`RemoveEmptyRunFolder`."""
+        config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        callbacks = _as_list(config.get("callbacks"))
+        given = [
+            *callbacks,
+            *(self._get(self.config_init, key) for key in self._parser(self.subcommand).callback_keys),
+            *_as_list(self.trainer_defaults.get("callbacks")),
+        ]
+        checkpointing = config.get("enable_checkpointing") is not False and not config.get("barebones")
+        if checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in given):
+            # Lightning's default ModelCheckpoint keeps only `epoch=E-step=S.ckpt`; a fixed
+            # name to resume from or test is what users (and the README) expect.
+            callbacks.append(ModelCheckpoint(save_last=True))
+        kwargs["callbacks"] = [*callbacks, RemoveEmptyRunFolder()]
+        trainer = super().instantiate_trainer(**kwargs)
+        for callback in trainer.callbacks:
+            if isinstance(callback, RemoveEmptyRunFolder):
+                callback.snapshot(trainer)
+        return trainer
+
+    # -- before/after the subcommands -------------------------------------------------------
+    def before_instantiate_classes(self) -> None:
+        if self.subcommand in ("validate", "test", "predict"):
+            # Evaluating a checkpoint of another run: its ModelCheckpoint state (paths, scores)
+            # belongs to that run's folder, and this subcommand saves no checkpoint anyway.
+            warnings.filterwarnings("ignore", message=r"The dirpath has changed from", category=UserWarning)
+
+    def before_fit(self) -> None:
+        """With ``--test_after_fit``, keeps the loggers open after fit so that the test
+        metrics go into fit's events file instead of a second one."""
+        if self.config_init["fit"].get("test_after_fit", False) and is_overridden("test_step", self.model):
+            for logger in self.trainer.loggers:
+                if isinstance(logger, (TensorBoardLogger, CSVLogger)):
+                    # fix version_N here: under the fork/spawn launchers fit and test run in
+                    # different children, which would otherwise pick one version each
+                    _ = logger.version
+            self._deferred_finalize = _DeferredFinalize(self.trainer.loggers)
+
     def after_fit(self) -> None:
         """Prints the final metrics; then tests the final weights if ``--test_after_fit``."""
         trainer = self.trainer
+        deferred, self._deferred_finalize = self._deferred_finalize, _DeferredFinalize()
+        deferred.restore()
         _print_metrics(f"final metrics after {trainer.current_epoch} epoch(s)", trainer)
-        if trainer.checkpoint_callback is not None and getattr(
-            trainer.checkpoint_callback, "best_model_path", ""
-        ):
-            _print(f"checkpoint: {trainer.checkpoint_callback.best_model_path}")
+        checkpoint = trainer.checkpoint_callback
+        if isinstance(checkpoint, ModelCheckpoint):
+            if checkpoint.best_model_path:
+                _print(f"checkpoint: {checkpoint.best_model_path}")
+            if checkpoint.last_model_path and checkpoint.last_model_path != checkpoint.best_model_path:
+                _print(f"last checkpoint: {checkpoint.last_model_path}")
         if trainer.log_dir is not None and trainer.logger is not None:
             _print(f"logs: {trainer.log_dir}")
-        if not self.config_init["fit"].get("test_after_fit", False) or trainer.interrupted:
-            return
-        if not is_overridden("test_step", self.model):
+        testing = self.config_init["fit"].get("test_after_fit", False) and not trainer.interrupted
+        if testing and not is_overridden("test_step", self.model):
             _print(f"not testing: {type(self.model).__name__} has no test_step")
+        if not testing or not is_overridden("test_step", self.model):
+            deferred.finalize_pending()
             return
-        from lightning.pytorch.cli import SaveConfigCallback
-
         for callback in trainer.callbacks:
             # fit saved the config in its (forked) worker; this process never saw the flag
             if isinstance(callback, SaveConfigCallback):
@@ -186,6 +253,144 @@ class FullGraphCLI(LightningCLI):
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             torch.save(predictions, path)
             rank_zero_info(f"predictions saved to {path}")
+
+
+class _SaveConfigCallback(SaveConfigCallback):
+    """LightningCLI's ``SaveConfigCallback``, except that ``validate``/``test``/``predict``
+    without a logger save nothing: their ``log_dir`` would be ``default_root_dir`` (usually the
+    working directory), where the next run would then refuse to overwrite ``config.yaml``."""
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if trainer.logger is None and stage != "fit":
+            self.already_saved = True
+            return
+        super().setup(trainer, pl_module, stage)
+
+
+class RemoveEmptyRunFolder(Callback):
+    """Removes the run folder (``lightning_logs/version_N/``) of a run that fails before its
+    first batch, e.g. on a configuration error or a missing ``--ckpt_path``.
+
+    The folder is removed on global rank 0, in the process that ran the trainer, only if all of
+    these hold: no training/validation/test/predict batch finished; the folder did not exist when
+    the trainer was created (:meth:`snapshot`); it holds nothing but ``config.yaml``,
+    ``hparams.yaml`` and TensorBoard event files written by this process (checkpoints, CSV
+    metrics, anything else: it is kept).  The loggers' own parent folder (``lightning_logs/``)
+    goes too if this run created it and it is left empty.  Only
+    :class:`~lightning.pytorch.loggers.TensorBoardLogger` and
+    :class:`~lightning.pytorch.loggers.CSVLogger` folders are considered.  Under the
+    ``fork``/``spawn`` launchers Lightning handles a rank's exception in the parent process,
+    whose pid wrote no event file: the folder is then kept.
+    """
+
+    #: Files a run writes into its folder before its first batch.
+    SETUP_FILES = frozenset({"config.yaml", "hparams.yaml"})
+
+    def __init__(self) -> None:
+        self.progressed = False
+        # logger index -> (its root dir, the entries of the root dir, or None if missing)
+        self._before: dict[int, tuple[str, frozenset[str] | None]] = {}
+
+    def snapshot(self, trainer: Trainer) -> None:
+        """Records which run folders exist before the run (call before ``trainer.fit`` etc.)."""
+        self._before = {}
+        for index, logger in enumerate(trainer.loggers):
+            if isinstance(logger, (TensorBoardLogger, CSVLogger)):
+                root = str(logger.root_dir)
+                entries = frozenset(os.listdir(root)) if os.path.isdir(root) else None
+                self._before[index] = (root, entries)
+
+    def _progress(self, trainer: Trainer, *args: Any, **kwargs: Any) -> None:
+        if not trainer.sanity_checking:
+            self.progressed = True
+
+    on_train_batch_end = on_validation_batch_end = on_test_batch_end = on_predict_batch_end = _progress
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if self.progressed or not trainer.is_global_zero:
+            return
+        if any(getattr(cb, "save_on_exception", False) for cb in trainer.checkpoint_callbacks):
+            return
+        for index, logger in enumerate(trainer.loggers):
+            if index not in self._before:
+                continue
+            root, entries = self._before[index]
+            try:
+                relative = Path(logger.log_dir).resolve().relative_to(Path(root).resolve())
+            except (OSError, ValueError):
+                continue
+            if not relative.parts or (entries is not None and relative.parts[0] in entries):
+                continue
+            folder = Path(root) / relative.parts[0]
+            if not folder.is_dir():
+                continue
+            logger.finalize("failed")  # close the event file before looking at the folder
+            if not self._only_setup_files(folder):
+                continue
+            shutil.rmtree(folder, ignore_errors=True)
+            rank_zero_info(f"removed {folder}: the run failed before its first batch")
+            if entries is None:
+                with contextlib.suppress(OSError):
+                    os.rmdir(root)  # only if empty
+
+    def _only_setup_files(self, folder: Path) -> bool:
+        pid = str(os.getpid())
+        for path in folder.rglob("*"):
+            if path.is_symlink() or not (path.is_dir() or path.is_file()):
+                return False
+            if path.is_dir():
+                continue
+            name = path.name
+            if name in self.SETUP_FILES:
+                continue
+            # events.out.tfevents.<time>.<host>.<pid>.<n>: written by this process
+            if name.startswith("events.out.tfevents.") and name.split(".")[-2] == pid:
+                continue
+            return False
+        return True
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+class _DeferredFinalize:
+    """Until :meth:`restore`, the loggers' ``finalize("success")`` only saves (the event file
+    stays open); other statuses finalize as usual.  :meth:`finalize_pending` then finalizes the
+    loggers that asked for it in this process.  Picklable (``spawn`` launcher)."""
+
+    def __init__(self, loggers: Sequence[Logger] = ()) -> None:
+        self.loggers = list(loggers)
+        self.pending: list[Logger] = []
+        for logger in self.loggers:
+            logger.finalize = _SaveOnSuccess(logger, self.pending)  # type: ignore[method-assign]
+
+    def restore(self) -> None:
+        for logger in self.loggers:
+            vars(logger).pop("finalize", None)
+
+    def finalize_pending(self) -> None:
+        for logger in self.pending:
+            logger.finalize("success")
+        self.pending.clear()
+
+
+class _SaveOnSuccess:
+    """A logger's ``finalize`` that for ``"success"`` only saves and records the logger."""
+
+    def __init__(self, logger: Logger, pending: list[Logger]) -> None:
+        self.logger = logger
+        self.pending = pending
+
+    def __call__(self, status: str) -> None:
+        if status != "success":
+            type(self.logger).finalize(self.logger, status)
+            return
+        self.logger.save()
+        if not any(logger is self.logger for logger in self.pending):
+            self.pending.append(self.logger)
 
 
 @rank_zero_only
@@ -252,6 +457,16 @@ def _partition_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="JSON",
         help="extra load_dataset arguments as a JSON object, e.g. '{\"num_nodes\": 10000}'",
+    )
+    parser.add_argument(
+        "--metis-max-edges",
+        type=int,
+        default=None,
+        metavar="M",
+        help=(
+            "bound METIS' memory (about 120 bytes per undirected edge): give it a deterministic sample of at "
+            "most M undirected edges of a larger graph; every edge is still kept in the parts (default: no bound)"
+        ),
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return parser
@@ -347,9 +562,11 @@ def partition_main(argv: Sequence[str] | None = None) -> int:
         PartitionResult,
         check_manifest,
         ensure_partitions,
+        max_rss_mib,
         read_manifest,
     )
 
+    baseline_rss = max_rss_mib()  # torch, PyG, this package imported: what any process costs
     start = time.perf_counter()
     given = Path(args.data)
     if (given / "manifest.json").is_file():
@@ -358,7 +575,20 @@ def partition_main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit(f"{PROG} partition: cannot use {given}: {reason}")
         result = PartitionResult(folder=given, rebuilt=False, reason="partition folder given")
     else:
-        graph = load_graph(args.data, root=args.root, **(args.dataset_kwargs or {}))
+        from lightning_fullgraph.generated import generated_fingerprint, is_generated_name
+
+        kwargs = args.dataset_kwargs or {}
+        graph: Any
+        fingerprint = None
+        if is_generated_name(args.data):
+            # a generated graph is keyed by its name and arguments: a cache hit never builds it
+            fingerprint = generated_fingerprint(args.data, **kwargs)
+
+            def graph() -> Any:
+                return load_graph(args.data, root=args.root, **kwargs)
+        else:
+            graph = load_graph(args.data, root=args.root, **kwargs)
+        load_s = time.perf_counter() - start
         result = ensure_partitions(
             graph,
             args.num_parts,
@@ -366,11 +596,24 @@ def partition_main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             cache_root=args.cache_dir,
             balance=args.balance,
+            fingerprint=fingerprint,
+            metis_max_edges=args.metis_max_edges,
         )
+        del graph
+        if fingerprint is None:
+            result.timings = {"load": load_s, **result.timings}
+    timings = {"load": 0.0, "check": 0.0, "metis": 0.0, "plan": 0.0, "write": 0.0, **getattr(result, "timings", {})}
+    phase_peaks = dict(getattr(result, "peak_rss_mib", {}))
     manifest = read_manifest(result.folder)
+    stats_start = time.perf_counter()
     rows = part_statistics(result.folder)
+    timings["statistics"] = time.perf_counter() - stats_start
     elapsed = time.perf_counter() - start
+    peak_rss = max_rss_mib()
     folder = Path(result.folder).resolve()
+    # the global graph's own size: edge_index (int64) + x (float32) + y (int64) + 3 bool masks
+    n, e, f = (manifest.get(k) or 0 for k in ("num_nodes", "num_edges", "num_features"))
+    graph_mib = (16 * e + 4 * n * f + 8 * n + 3 * n) / 2**20
     if args.json:
         summary = {
             "folder": str(folder),
@@ -378,7 +621,14 @@ def partition_main(argv: Sequence[str] | None = None) -> int:
             "reason": result.reason,
             "partition_seconds": result.seconds,
             "total_seconds": elapsed,
+            "phase_seconds": timings,
+            "peak_rss_mib": peak_rss,
+            "baseline_rss_mib": baseline_rss,
+            "phase_peak_rss_mib": phase_peaks,
+            "graph_mib": graph_mib,
             **{k: manifest.get(k) for k in ("method", "balance", "num_parts", "seed", "num_nodes", "num_edges")},
+            "metis_max_edges": manifest.get("metis_max_edges"),
+            "total_halo": manifest.get("total_halo"),
             **{k: manifest.get(k) for k in ("num_features", "num_classes")},
             "nodes_per_part": [r["owned"] for r in rows],
             "edges_per_part": [r["local_edges"] for r in rows],
@@ -393,6 +643,15 @@ def partition_main(argv: Sequence[str] | None = None) -> int:
         status = "existing partition folder"
     print(f"partition folder: {folder}")
     print(f"status: {status}; total {elapsed:.2f} s")
+    print(
+        "time: " + ", ".join(f"{k} {v:.2f} s" for k, v in timings.items() if v or k in ("check", "statistics"))
+        + f"; peak memory (VmHWM, METIS included) {peak_rss:.0f} MiB ({peak_rss - baseline_rss:.0f} above the "
+        f"{baseline_rss:.0f} MiB after imports), {(peak_rss - baseline_rss) / max(graph_mib, 1e-9):.2f}x the graph's "
+        f"{graph_mib:.0f} MiB"
+        + ("" if not phase_peaks else " (" + ", ".join(f"after {k} {v:.0f}" for k, v in phase_peaks.items()) + ")")
+    )
+    if not result.rebuilt and result.reason != "partition folder given":
+        print(f"cache reused: {result.reason}, nothing recomputed ({elapsed:.2f} s in all)")
     print(
         f"graph: {manifest.get('num_nodes')} nodes, {manifest.get('num_edges')} edges, "
         f"{manifest.get('num_features')} features, {manifest.get('num_classes')} classes; "
@@ -423,9 +682,13 @@ and/or dotted flags (--trainer.*, --model.*, --data.*); --print_config shows the
 Model: any LightningModule via --model.class_path (default {DEFAULT_MODEL});
 data: lightning_fullgraph.FullGraphDataModule (default: the embedded "community" graph).
 Trainer defaults: {defaults}.
+Each run logs to lightning_logs/version_N/ (config.yaml, TensorBoard events, and for fit
+checkpoints/last.ckpt); predict logs nothing unless given --trainer.logger; a run that fails
+before its first batch leaves no version_N/ behind.
 
 examples:
   {PROG} fit
+  {PROG} test --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt
   {PROG} fit --config examples/configs/community_sage.yaml --trainer.max_epochs=50
   {PROG} fit --data.data=Cora --data.root=../shared/datasets/Planetoid --model.conv=gat
   {PROG} partition --data community --num-parts 4

@@ -37,6 +37,7 @@ from lightning_fullgraph.partition.cache import (
 )
 from lightning_fullgraph.partition.partitioner import BALANCE_MODES, PARTITION_METHODS
 from lightning_fullgraph.partition.plan import LocalPartition
+from lightning_fullgraph.preflight import check_num_parts
 from lightning_fullgraph.validation import MASK_KEYS, validate_graph
 
 __all__ = ["FullGraphDataModule", "load_graph", "select_mask_split"]
@@ -158,8 +159,9 @@ def select_mask_split(data: Data, split: int = 0, mask_keys: Iterable[str] = ())
 
 def _is_synthetic_name(name: str) -> bool:
     from lightning_fullgraph.datasets import _SYNTHETIC, _key
+    from lightning_fullgraph.generated import is_generated_name
 
-    return _key(name) in _SYNTHETIC
+    return _key(name) in _SYNTHETIC or is_generated_name(name)
 
 
 class FullGraphDataModule(pl.LightningDataModule):
@@ -255,15 +257,14 @@ class FullGraphDataModule(pl.LightningDataModule):
             return 0, 1
         return trainer.global_rank, trainer.world_size
 
-    def _expected_parts(self) -> int:
-        _, world = self._world()
-        parts = self.num_parts or world
-        if self.trainer is not None and parts != world:
-            raise ValueError(
-                f"FullGraphDataModule(num_parts={parts}) but the trainer runs {world} rank(s); each rank "
-                f"trains one part: set num_parts=None (or {world}), or run with {parts} devices"
-            )
-        return parts
+    def _expected_parts(self, world_size: int | None = None) -> int:
+        """The number of parts: ``num_parts``, which must equal the world size (``world_size``,
+        default the attached trainer's; without a trainer ``num_parts`` is not checked)."""
+        if world_size is None:
+            _, world_size = self._world()
+            if self.trainer is None:
+                return self.num_parts or world_size
+        return check_num_parts(self.num_parts, world_size)
 
     def _partition_folder_given(self) -> Path | None:
         if isinstance(self.data, (str, os.PathLike)) and (Path(self.data) / "manifest.json").is_file():
@@ -292,27 +293,61 @@ class FullGraphDataModule(pl.LightningDataModule):
             self._graph = select_mask_split(graph, remaining, self._mask_keys())
         return self._graph
 
+    def _check_data(self, parts: int, load_graph: bool = True) -> Path | None:
+        """The checks before partitioning (``prepare_data``; also the launcher's, before any
+        rank starts: :mod:`lightning_fullgraph.preflight`).  A partition folder given as
+        ``data`` must hold ``parts`` parts; otherwise the global graph must pass
+        :func:`validate_graph` (checked when ``load_graph`` or already loaded; it stays
+        cached).  Returns the partition folder given as ``data``, if any."""
+        given = self._partition_folder_given()
+        if given is not None:
+            read_manifest(given)  # (its own error for a missing or malformed manifest)
+            reason = check_manifest(given, {"num_parts": parts})
+            if reason is not None:
+                raise PartitionCacheError(f"cannot use partition folder {given}: {reason}")
+            return given
+        if (load_graph and not self._generated()) or self._graph is not None:
+            # Before any partitioning or process-group work: bad input fails here, with the fix.
+            # (A generated graph is valid by construction and is not built just to check it.)
+            validate_graph(self.global_graph(), num_parts=parts, require_train=self.require_train)
+        return None
+
     # -- Lightning hooks ------------------------------------------------------------------
     def prepare_data(self) -> None:
         """Partitions the graph into the cache unless a valid partition exists (once per node)."""
         parts = self._expected_parts()
-        given = self._partition_folder_given()
+        given = self._check_data(parts)
         if given is not None:
             manifest = read_manifest(given)
-            reason = check_manifest(given, {"num_parts": parts})
-            if reason is not None:
-                raise PartitionCacheError(f"cannot use partition folder {given}: {reason}")
             self._folder = given
             self.partition_result = PartitionResult(folder=given, rebuilt=False, reason="partition folder given")
             log.info("using partition folder %s (%s)", given, manifest.get("method"))
             return
-        graph = self.global_graph()
-        # Before any partitioning or process-group work: bad input fails here, with the fix.
-        validate_graph(graph, num_parts=parts, require_train=self.require_train)
+        graph: Any = self.global_graph
+        fingerprint = None
+        if self._generated():
+            # keyed by (name, arguments, generator version): a cache hit never generates it
+            from lightning_fullgraph.generated import generated_fingerprint
+
+            fingerprint = generated_fingerprint(self.data, **self.dataset_kwargs)
+        if fingerprint is None or self._graph is not None:
+            graph = graph()
         self.partition_result = ensure_partitions(
-            graph, parts, method=self.partition, seed=self.seed, cache_root=self.cache_dir, balance=self.balance
+            graph, parts, method=self.partition, seed=self.seed, cache_root=self.cache_dir, balance=self.balance,
+            fingerprint=fingerprint,
         )
         self._folder = self.partition_result.folder
+        if isinstance(self.data, (str, os.PathLike)):
+            # a graph this datamodule loaded itself is not kept through training (each rank
+            # holds only its part); global_graph() loads it again if asked
+            del graph
+            self._graph = None
+
+    def _generated(self) -> bool:
+        """Whether ``data`` names a generated graph (:mod:`lightning_fullgraph.generated`)."""
+        from lightning_fullgraph.generated import is_generated_name
+
+        return is_generated_name(self.data)
 
     def setup(self, stage: str | None = None) -> None:
         """Loads this rank's part (and only it)."""

@@ -343,9 +343,11 @@ def dataset_names() -> list[str]:
     aliases (``"citationfull_cora"``, ``"corafull"``, ``"film"``) are accepted too.
 
     Returns:
-        The names, synthetic ones first.
+        The names, synthetic and generated ones first.
     """
-    return [*_SYNTHETIC, *(s.display for s in _SPECS)]
+    from lightning_fullgraph.generated import GENERATED_NAMES
+
+    return [*_SYNTHETIC, *GENERATED_NAMES, *(s.display for s in _SPECS)]
 
 
 def _default_cache_dir() -> Path:
@@ -630,6 +632,9 @@ def load_dataset(name: str, root: str | os.PathLike[str] | None = None, **kwargs
 
     * ``"community"`` / ``"synthetic"``: :func:`community_graph` called with
       ``**kwargs`` (``root`` and ``cache_dir`` are ignored).
+    * ``"products-like"``: :func:`lightning_fullgraph.generated.products_like_graph`, a
+      generated graph with ogbn-products' statistics (``num_nodes=...`` scales it at the
+      same mean degree; ``root`` and ``cache_dir`` are ignored).
     * ``"Cora"``, ``"CiteSeer"``, ``"PubMed"``: ``Planetoid(root, name)``, public split.
     * ``"cora_ml"``, ``"dblp"``, ``"cora_full"``, ``"citeseer_full"``,
       ``"pubmed_full"``: ``CitationFull(root, name)`` (the ``_full`` names map to
@@ -687,6 +692,11 @@ def load_dataset(name: str, root: str | os.PathLike[str] | None = None, **kwargs
     if key in _SYNTHETIC:
         kwargs.pop("cache_dir", None)
         return community_graph(**kwargs)
+    from lightning_fullgraph.generated import is_generated_name, products_like_graph
+
+    if is_generated_name(name):
+        kwargs.pop("cache_dir", None)
+        return products_like_graph(**kwargs)
     spec = _BY_KEY.get(key)
     if spec is None:
         raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(dataset_names())}")

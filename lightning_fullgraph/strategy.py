@@ -40,6 +40,7 @@ from lightning_fullgraph.comm.exchange import HaloExchanger
 from lightning_fullgraph.comm.policy import CompressionPolicy, PolicyEnv, make_policy
 from lightning_fullgraph.metrics import CommMetricsLogger
 from lightning_fullgraph.nn.adapters import HaloContext, install_adapters, uninstall_adapters
+from lightning_fullgraph.preflight import missing_datamodule_error
 
 if TYPE_CHECKING:
     from lightning_fullgraph.partition.plan import LocalPartition
@@ -218,6 +219,12 @@ class FullGraphStrategy(DDPStrategy):
         # Lightning's advice to pass sync_dist=True (one all-reduce per metric) does not apply
         # to them. Lightning warns at epoch end, so the filter spans setup..teardown.
         self._comm_warning = ScopedWarningFilter(r".*self\.log\('comm/.*sync_dist=True")
+        # Lightning 2.6 builds every loop's CombinedLoader with torch's ``LeafSpec()``, which
+        # torch >= 2.13 deprecates with a FutureWarning the user cannot act on (loops'
+        # setup_data, inside setup..teardown).
+        self._leafspec_warning = ScopedWarningFilter(
+            r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning
+        )
 
     @property
     def mode(self) -> str:
@@ -252,11 +259,8 @@ class FullGraphStrategy(DDPStrategy):
 
         datamodule = trainer.datamodule
         if not isinstance(datamodule, FullGraphDataModule):
-            raise TypeError(
-                "FullGraphStrategy trains on graph partitions and needs a FullGraphDataModule: "
-                "call `trainer.fit(model, datamodule=FullGraphDataModule(data))` (got "
-                f"{type(datamodule).__name__ if datamodule is not None else 'no datamodule'})"
-            )
+            # (normally found by the launcher already: lightning_fullgraph.preflight)
+            raise missing_datamodule_error(datamodule)
         partition = datamodule.local_partition
         if partition is None:
             raise RuntimeError("FullGraphDataModule.setup() did not run on this rank")
@@ -306,6 +310,7 @@ class FullGraphStrategy(DDPStrategy):
                 # training metrics once every 50 epochs (none at all in a 50-epoch run).
                 trainer.log_every_n_steps = 1
         self._comm_warning.install()
+        self._leafspec_warning.install()
         if self._comm_callback not in trainer.callbacks:
             trainer.callbacks.append(self._comm_callback)
         super().setup(trainer)
@@ -513,6 +518,7 @@ class FullGraphStrategy(DDPStrategy):
             if self._exchanger is not None:
                 self._exchanger.clear_cache()
             self._comm_warning.remove()
+            self._leafspec_warning.remove()
             super().teardown()
         finally:
             if guard is not None:
@@ -522,19 +528,23 @@ class FullGraphStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        from lightning_fullgraph._shutdown import active_guard
+        from lightning_fullgraph._shutdown import active_guard, claim_report, is_lost_peer
 
         self._failed = True
         super().on_exception(exception)
         guard = active_guard()
         if guard is not None and guard.signum is not None:
             return  # stopped by a signal: a peer's closed connection is not the cause
+        if not claim_report(exception, self.global_rank):
+            # the rank that found the error reports it (popen runs): this one, whose peer
+            # stopped because of it (or which raised the same error), ends quietly
+            return
         if getattr(self, "_exchange_started", None) is False:
             # failed before any loop (setup, configuration): no halo exchange to blame.  (In
             # the parent of forked ranks the flag is unknown: their error is augmented as before.)
             return
         message = str(exception)
-        if any(s in message for s in ("Timed out", "timed out", "Connection closed", "Connection reset")):
+        if is_lost_peer(exception):
             exception.args = (
                 f"{message}\n\nFullGraphStrategy: another rank stopped taking part in the halo "
                 "exchange (it crashed, was killed, or ran a different number of layers/steps). "

@@ -53,10 +53,11 @@ import re
 import secrets
 import shutil
 import socket
+import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,7 @@ import torch
 from torch import Tensor
 from torch_geometric.data import Data
 
-from lightning_fullgraph.partition.plan import LocalPartition, build_local_partitions
+from lightning_fullgraph.partition.plan import LocalPartition, PartitionPlanner
 
 try:  # POSIX only; elsewhere there is no advisory lock (correctness does not need it)
     import fcntl
@@ -145,12 +146,41 @@ class PartitionResult:
         rebuilt: True if partitions were computed by this call, False if loaded from cache.
         reason: Why they were (re)built, or ``"cache hit"``.
         seconds: Wall time of partitioning + writing (0 on a cache hit).
+        timings: Wall seconds per phase of this call: ``check`` (fingerprint and cache
+            lookup), and on a rebuild ``load`` (building a lazily given graph), ``metis``
+            (the partitioner), ``plan`` (halo plans and local graphs) and ``write`` (part
+            files, checksums, manifest).
+        peak_rss_mib: The process's resident-set high-water mark (:func:`max_rss_mib`, MiB)
+            at the end of each phase of ``timings``: the phase where it jumps set the peak.
     """
 
     folder: Path
     rebuilt: bool
     reason: str
     seconds: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+    peak_rss_mib: dict[str, float] = field(default_factory=dict)
+
+
+def max_rss_mib() -> float:
+    """This process's resident-set high-water mark in MiB: ``VmHWM`` of ``/proc/self/status``
+    where it exists, else ``ru_maxrss`` (0 where neither is known).
+
+    (Linux carries ``ru_maxrss`` across ``fork`` + ``exec``: a process started by a large
+    parent reports the parent's peak until it exceeds it; ``VmHWM`` starts afresh.)"""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows
+        return 0.0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 1024.0
 
 
 def default_cache_root() -> Path:
@@ -165,7 +195,12 @@ def _hash_tensor(h: Any, name: str, t: Tensor) -> None:
     t = t.detach().cpu().contiguous()
     h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
     if t.numel():
-        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.dtype != torch.bool else t.numpy().tobytes())
+        # the tensor's own bytes through the buffer protocol, in chunks: no copy of a large
+        # tensor (the former .tobytes() duplicated edge_index); same digest as hashing it whole
+        flat = (t.view(-1).view(torch.uint8) if t.dtype != torch.bool else t.view(-1)).numpy()
+        step = 1 << 26
+        for lo in range(0, flat.size, step):
+            h.update(flat[lo : lo + step])
 
 
 def graph_fingerprint(data: Data) -> str:
@@ -199,9 +234,13 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def partition_folder_name(fingerprint: str, method: str, num_parts: int, seed: int, balance: str = "edges") -> str:
-    """Folder of a partition under the cache root, e.g. ``metis-edges-p4-s0-0123456789abcdef``."""
-    return f"{method}-{balance}-p{num_parts}-s{seed}-{fingerprint[:16]}"
+def partition_folder_name(
+    fingerprint: str, method: str, num_parts: int, seed: int, balance: str = "edges", metis_max_edges: int | None = None
+) -> str:
+    """Folder of a partition under the cache root, e.g. ``metis-edges-p4-s0-0123456789abcdef``
+    (``...-s0-m20000000-...`` when METIS saw at most that many edges)."""
+    bound = f"-m{metis_max_edges}" if metis_max_edges is not None else ""
+    return f"{method}-{balance}-p{num_parts}-s{seed}{bound}-{fingerprint[:16]}"
 
 
 # -- manifest schema ------------------------------------------------------------------------
@@ -209,7 +248,7 @@ _INT = (int,)
 _NUM = (int, float)
 _REQUIRED = {"format_version": _INT, "fingerprint": (str,), "method": (str,), "num_parts": _INT,
              "seed": _INT, "parts": (list,)}
-_OPTIONAL = {"balance": (str,), "num_nodes": _INT, "num_edges": _INT, "total_halo": _INT,
+_OPTIONAL = {"balance": (str,), "metis_max_edges": _INT, "num_nodes": _INT, "num_edges": _INT, "total_halo": _INT,
              "nodes_per_part": (list,), "edges_per_part": (list,), "node_imbalance": _NUM,
              "edge_imbalance": _NUM, "num_features": (int, type(None)), "num_classes": (int, type(None)),
              "created": _NUM}
@@ -631,13 +670,17 @@ def _save_part(state: dict[str, Any], path: Path) -> None:
 
 
 def _identity(meta: dict[str, Any]) -> dict[str, Any]:
-    return {k: meta[k] for k in ("fingerprint", "method", "balance", "num_parts", "seed") if k in meta}
+    keys = ("fingerprint", "method", "balance", "num_parts", "seed", "metis_max_edges")
+    return {k: meta[k] for k in keys if k in meta}
 
 
 def _write_temporary(
-    folder: Path, partitions: list[LocalPartition], meta: dict[str, Any], path_ref: list[Path]
+    folder: Path, partitions: Iterable[LocalPartition], meta: dict[str, Any], path_ref: list[Path],
+    on_part: Callable[[float], None] | None = None,
 ) -> tuple[Path, dict[str, Any]]:
-    """Writes parts and manifest into a new private sibling of ``folder``."""
+    """Writes parts and manifest into a new private sibling of ``folder``.  ``partitions``
+    may be a generator: each part is dropped once written, so one part is in memory at a time;
+    ``on_part(seconds)`` is told how long each part's writing took."""
     tmp = _private_sibling(folder, "tmp")
     path_ref[0] = tmp
     os.mkdir(tmp)
@@ -645,6 +688,7 @@ def _write_temporary(
         (tmp / _OWNER).write_text(json.dumps(_owner()))
         entries = []
         for part in partitions:
+            t0 = time.perf_counter()
             name = f"part-{part.plan.rank:05d}.pt"
             path_ref[0] = tmp / name
             _save_part(part.state(), tmp / name)
@@ -658,6 +702,9 @@ def _write_temporary(
                     "num_edges": int(part.data.edge_index.size(1)),
                 }
             )
+            del part
+            if on_part is not None:
+                on_part(time.perf_counter() - t0)
         manifest = {"format_version": FORMAT_VERSION, **meta, "parts": entries, "created": time.time()}
         path_ref[0] = tmp / MANIFEST
         with open(tmp / MANIFEST, "w") as f:
@@ -701,16 +748,21 @@ def _publish(tmp: Path, folder: Path, expected: dict[str, Any], path_ref: list[P
 
 
 def _write_and_publish(
-    folder: Path, partitions: list[LocalPartition], meta: dict[str, Any], expected: dict[str, Any]
+    folder: Path, partitions: Iterable[LocalPartition], meta: dict[str, Any], expected: dict[str, Any],
+    needed: int | None = None, on_part: Callable[[float], None] | None = None,
 ) -> tuple[dict[str, Any], bool]:
     """Writes ``partitions`` into a private temporary folder and publishes it as ``folder``.
-    Returns the manifest in effect and whether an existing equal folder was adopted instead."""
-    needed = sum(_state_bytes(p.state()) + 4096 for p in partitions) + 4096
+    Returns the manifest in effect and whether an existing equal folder was adopted instead.
+    ``needed`` (bytes, for the error message of a failed write) is computed from
+    ``partitions`` when they are a list; pass an estimate with a generator."""
+    if needed is None:
+        partitions = list(partitions)
+        needed = sum(_state_bytes(p.state()) + 4096 for p in partitions) + 4096
     path_ref = [folder.parent]
     cleanup: list[Path] = []
     with _writing(path_ref, folder.parent, needed, cleanup):
         folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp, manifest = _write_temporary(folder, partitions, meta, path_ref)
+        tmp, manifest = _write_temporary(folder, partitions, meta, path_ref, on_part)
         cleanup.append(tmp)
         adopted = _publish(tmp, folder, expected, path_ref)
     if adopted:
@@ -765,15 +817,34 @@ def load_part(folder: str | os.PathLike, rank: int, verify_checksum: bool = True
         )
     if verify_checksum and _file_sha256(path) != entry["sha256"]:
         raise PartitionCacheError(f"part file {path} fails its checksum; delete {folder} to rebuild it")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    # mmap: the tensors are backed by the file's pages (copy-on-write), not copied into
+    # anonymous memory, so ranks sharing a machine share the page cache
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     part = LocalPartition.from_state(state)
     if part.plan.rank != rank:
         raise PartitionCacheError(f"{path} holds the part of rank {part.plan.rank}, not {rank}")
     return part
 
 
+def _estimate_bytes(data: Data, planner: PartitionPlanner) -> int:
+    """About what the part files of ``planner`` take on disk (for a failed write's message)."""
+    per_row = 8 + 1  # n_id, marginal_mask
+    for key in planner.node_keys:
+        value = data[key]
+        per_row += value.element_size() * (value[0].numel() if value.dim() > 1 and value.size(0) else 1)
+    per_edge = 16
+    for key in planner.edge_keys:
+        value = data[key]
+        per_edge += value.element_size() * (value[0].numel() if value.dim() > 1 and value.size(0) else 1)
+    halo = sum(int(h.numel()) for h in planner.halos)
+    return (
+        int(planner.num_owned.sum()) * per_row + int(planner.num_edges_per_part.sum()) * per_edge + 16 * halo
+        + planner.num_parts * (4096 + 8 * 512)
+    )
+
+
 def ensure_partitions(
-    data: Data,
+    data: Data | Callable[[], Data],
     num_parts: int,
     method: str = "metis",
     seed: int = 0,
@@ -781,83 +852,141 @@ def ensure_partitions(
     fingerprint: str | None = None,
     balance: str = "edges",
     lock_timeout: float | None = None,
+    metis_max_edges: int | None = None,
 ) -> PartitionResult:
     """Returns a partition folder for ``data``, computing and saving it only if no valid one
     exists under ``cache_root``.  Safe when several processes or jobs call it at once for the
     same cache (see the module docstring): all of them end up with the same, complete folder.
 
+    Memory: the parts are built and written one at a time
+    (:class:`~lightning_fullgraph.partition.plan.PartitionPlanner`), so beyond the graph and
+    METIS' own needs only one part's local graph and ``O(E)`` bytes of bookkeeping are held.
+
     Args:
-        data: The global graph.
+        data: The global graph, or a function returning it (called only when the partition
+            must be computed, e.g. a generated graph; ``fingerprint`` is then required).
         num_parts: Number of parts (= ranks that will train on it).
         method: ``"metis"`` or ``"random"``.
         seed: Partitioner seed; partitions are deterministic for (graph, method, balance,
             parts, seed).
         cache_root: Folder holding partition folders; default :func:`default_cache_root`.
-        fingerprint: Precomputed :func:`graph_fingerprint` of ``data`` (computed if None).
+        fingerprint: Precomputed :func:`graph_fingerprint` of ``data`` (computed if None), or
+            any string that identifies the graph (e.g.
+            :func:`~lightning_fullgraph.generated.generated_fingerprint`).
         balance: ``"edges"`` (default: balance the in-edges each part aggregates) or
             ``"nodes"`` (balance node counts); part of the cache key (``"random"`` ignores
             it but the key still records what was asked for).
         lock_timeout: Seconds to wait while another process builds the same partition
             (default ``$LIGHTNING_FULLGRAPH_CACHE_LOCK_TIMEOUT`` or 2 hours).
+        metis_max_edges: Bound METIS' memory by giving it a sample of at most this many
+            undirected edges (see :func:`~lightning_fullgraph.partition.partitioner.partition_graph`);
+            part of the cache key when set.
 
     Raises:
         PartitionCacheWriteError: the cache cannot be written (no space, quota, permission,
             read-only); the message names the path, the bytes needed and free.
         PartitionCacheError: the lock wait timed out.
+        ValueError: ``data`` is a function but no ``fingerprint`` is given.
     """
     from lightning_fullgraph.partition.partitioner import check_balance, imbalance, partition_graph
 
     check_balance(balance)
+    lazy = not isinstance(data, Data) and callable(data)  # (PyG Data objects are callable too)
+    if lazy and fingerprint is None:
+        raise ValueError("ensure_partitions(data=<function>) needs fingerprint=: it identifies the graph unbuilt")
     timeout = _lock_timeout(lock_timeout)
     cache_root = Path(cache_root) if cache_root is not None else default_cache_root()
-    fingerprint = fingerprint or graph_fingerprint(data)
-    folder = cache_root / partition_folder_name(fingerprint, method, num_parts, seed, balance)
+    timings: dict[str, float] = {}
+    peaks: dict[str, float] = {}
+    clock = [time.perf_counter()]
+
+    def phase(name: str) -> None:
+        now = time.perf_counter()
+        timings[name] = timings.get(name, 0.0) + now - clock[0]
+        peaks[name] = max_rss_mib()
+        clock[0] = now
+
+    fingerprint = fingerprint or graph_fingerprint(data)  # type: ignore[arg-type]
+    bound = metis_max_edges if method == "metis" else None
+    folder = cache_root / partition_folder_name(fingerprint, method, num_parts, seed, balance, bound)
     expected = {
         "fingerprint": fingerprint,
         "method": method,
         "balance": balance,
         "num_parts": num_parts,
         "seed": seed,
+        **({"metis_max_edges": bound} if bound is not None else {}),
     }
     reason = check_manifest(folder, expected)
     if reason is None:
         log.info("partition cache hit: %s", folder)
-        return PartitionResult(folder=folder, rebuilt=False, reason="cache hit")
+        phase("check")
+        return PartitionResult(folder=folder, rebuilt=False, reason="cache hit", timings=timings, peak_rss_mib=peaks)
     with contextlib.ExitStack() as stack:
         with _writing([cache_root], cache_root, None, []):
             cache_root.mkdir(parents=True, exist_ok=True)
             stack.enter_context(_advisory_lock(folder, timeout))
         if check_manifest(folder, expected) is None:
             log.info("partition cache hit after waiting for another process: %s", folder)
-            return PartitionResult(folder=folder, rebuilt=False, reason="cache hit (built by another process)")
+            phase("check")
+            return PartitionResult(
+                folder=folder, rebuilt=False, reason="cache hit (built by another process)", timings=timings,
+                peak_rss_mib=peaks,
+            )
         clean_stale_temporaries(cache_root)
+        phase("check")
+        start = time.perf_counter()
+        if lazy:
+            data = data()  # type: ignore[operator]
+            phase("load")
         log.info(
             "partitioning %d nodes into %d parts with %s, balance=%s (%s)",
             data.num_nodes, num_parts, method, balance, reason,
         )
-        start = time.perf_counter()
         parts = partition_graph(
-            data.edge_index, int(data.num_nodes), num_parts, method=method, seed=seed, balance=balance
+            data.edge_index, int(data.num_nodes), num_parts, method=method, seed=seed, balance=balance,
+            **({"metis_max_edges": bound} if bound is not None else {}),
         )
-        partitions = build_local_partitions(data, parts, num_parts)
-        nodes_per_part = [int(p.plan.num_owned) for p in partitions]
-        edges_per_part = [int(p.data.edge_index.size(1)) for p in partitions]
+        phase("metis")
+        planner = PartitionPlanner(data, parts, num_parts)
+        del parts
+        nodes_per_part = [int(c) for c in planner.num_owned.tolist()]
+        edges_per_part = [int(c) for c in planner.num_edges_per_part.tolist()]
         meta = {
             "fingerprint": fingerprint,
             "method": method,
             "balance": balance,
             "num_parts": num_parts,
             "seed": seed,
+            **({"metis_max_edges": bound} if bound is not None else {}),
             "num_nodes": int(data.num_nodes),
             "num_edges": int(data.edge_index.size(1)),
-            "total_halo": int(sum(p.plan.num_halo for p in partitions)),
+            "total_halo": int(sum(int(h.numel()) for h in planner.halos)),
             "nodes_per_part": nodes_per_part,
             "edges_per_part": edges_per_part,
             "node_imbalance": imbalance(nodes_per_part),
             "edge_imbalance": imbalance(edges_per_part),
             **graph_summary(data),
         }
-        _, adopted = _write_and_publish(folder, partitions, meta, expected)
+        needed = _estimate_bytes(data, planner)
+        phase("plan")
+        write_s = [0.0]
+
+        def parts_iter() -> Iterator[LocalPartition]:
+            for r in range(num_parts):
+                yield planner.part(r)
+
+        def wrote(seconds: float) -> None:
+            write_s[0] += seconds
+
+        _, adopted = _write_and_publish(folder, parts_iter(), meta, expected, needed=needed, on_part=wrote)
+        total = time.perf_counter() - clock[0]
+        timings["write"] = write_s[0]
+        timings["plan"] += total - write_s[0]  # building the local graphs, interleaved with writing
+        peaks["write"] = peaks["plan"] = max_rss_mib()
         if adopted:
             reason = f"{reason}; another process published the same partitions first, which are used"
-        return PartitionResult(folder=folder, rebuilt=True, reason=reason, seconds=time.perf_counter() - start)
+        return PartitionResult(
+            folder=folder, rebuilt=True, reason=reason, seconds=time.perf_counter() - start, timings=timings,
+            peak_rss_mib=peaks,
+        )

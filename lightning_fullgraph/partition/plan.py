@@ -23,6 +23,7 @@ other node and simply have no local edges.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +31,13 @@ import torch
 from torch import Tensor
 from torch_geometric.data import Data
 
-__all__ = ["HaloPlan", "LocalPartition", "build_local_partitions"]
+__all__ = [
+    "HaloPlan",
+    "LocalPartition",
+    "PartitionPlanner",
+    "build_local_partitions",
+    "iter_local_partitions",
+]
 
 
 @dataclass
@@ -149,7 +156,8 @@ def build_local_partitions(data: Data, parts: Tensor, num_parts: int) -> list[Lo
 
     Vectorised over nodes and edges (one Python iteration per part).  Node-level attributes
     of ``data`` are sliced to each part's owned nodes; edge-level attributes follow their
-    edges into the owner of the destination.
+    edges into the owner of the destination.  Holds every part at once; to write parts one
+    at a time (bounded memory on large graphs) use :func:`iter_local_partitions`.
 
     Args:
         data: The global graph; ``edge_index[0]`` are sources, ``edge_index[1]`` destinations.
@@ -159,73 +167,129 @@ def build_local_partitions(data: Data, parts: Tensor, num_parts: int) -> list[Lo
     Returns:
         ``num_parts`` partitions, index ``r`` for rank ``r``.
     """
-    num_nodes = int(data.num_nodes)
-    parts = parts.to(torch.long).cpu()
-    if parts.shape != (num_nodes,):
-        raise ValueError(f"`parts` must have shape [{num_nodes}], got {list(parts.shape)}")
-    edge_index = data.edge_index.to(torch.long).cpu()
-    src, dst = edge_index[0], edge_index[1]
-    local_id, sizes = _local_ids(parts, num_parts)
-    dst_part = parts[dst]
-    src_part = parts[src]
-    edge_order = torch.argsort(dst_part, stable=True)
-    edge_counts = torch.bincount(dst_part, minlength=num_parts).tolist()
-    edge_groups = torch.split(edge_order, edge_counts)
+    plans = PartitionPlanner(data, parts, num_parts)
+    return [plans.part(r) for r in range(num_parts)]
 
-    node_keys = [k for k in data.keys() if k != "edge_index" and data.is_node_attr(k)]
-    edge_keys = [k for k in data.keys() if k != "edge_index" and data.is_edge_attr(k)]
 
-    halos: list[Tensor] = []  # global ids of the halo of every part, sorted (owner, id)
-    halo_counts: list[Tensor] = []
-    edges_local: list[Tensor] = []
-    marginal: list[Tensor] = []
+def iter_local_partitions(data: Data, parts: Tensor, num_parts: int) -> Iterator[LocalPartition]:
+    """The partitions of :func:`build_local_partitions`, built one at a time (rank order).
+
+    Only one part's local graph exists at a time, so a caller that writes and drops each
+    part holds about ``E / P`` local edges instead of ``E``.
+    """
+    plans = PartitionPlanner(data, parts, num_parts)
     for r in range(num_parts):
-        e = edge_groups[r]
-        s, d = src[e], dst[e]
-        remote = src_part[e] != r
-        # Sorting by (owner, global id) gives the all_to_all receive layout directly.
-        keys = torch.unique(src_part[e][remote] * num_nodes + s[remote])
-        halo = keys % num_nodes
-        halos.append(halo)
-        halo_counts.append(torch.bincount(keys // num_nodes, minlength=num_parts))
-        n_owned = int(sizes[r])
+        yield plans.part(r)
+
+
+class PartitionPlanner:
+    """Builds the parts of a global graph one at a time, in bounded memory.
+
+    The constructor makes one pass over the edges per part to find every part's halo (the
+    send lists of a part depend on the halos of all the others); :meth:`part` then builds
+    that part's local graph.  Memory beyond the global graph: the destination owner of every
+    edge as ``int8``/``int16`` (``E`` or ``2 E`` bytes), the halos (``O(sum H_r)``), and per
+    call one part's edges (a few ``[E_r]`` int64 temporaries).  No ``[E]`` int64 temporary
+    and no per-part boolean mask over all ``E`` edges that outlives its pass is kept.
+
+    Attributes:
+        num_edges_per_part: ``[P]`` edges whose destination each part owns.
+        num_owned: ``[P]`` nodes each part owns.
+        halos: Global ids of each part's halo, grouped by owner rank, ascending inside.
+    """
+
+    def __init__(self, data: Data, parts: Tensor, num_parts: int) -> None:
+        num_nodes = int(data.num_nodes)
+        parts = parts.to(torch.long).cpu()
+        if parts.shape != (num_nodes,):
+            raise ValueError(f"`parts` must have shape [{num_nodes}], got {list(parts.shape)}")
+        self.data = data
+        self.num_parts = num_parts
+        self.num_nodes = num_nodes
+        self.parts = parts
+        edge_index = data.edge_index
+        if edge_index.dtype != torch.long:
+            edge_index = edge_index.to(torch.long)
+        self.src, self.dst = edge_index[0].cpu(), edge_index[1].cpu()
+        self.local_id, sizes = _local_ids(parts, num_parts)
+        self.num_owned = sizes
+        small = torch.int8 if num_parts <= 127 else torch.int16 if num_parts <= 32767 else torch.int32
+        self._parts_small = parts.to(small)
+        self._dst_part = self._parts_small[self.dst]  # [E], 1-2 bytes per edge
+        self.num_edges_per_part = self._count_edges()
+        self.node_keys = [k for k in data.keys() if k != "edge_index" and data.is_node_attr(k)]
+        self.edge_keys = [k for k in data.keys() if k != "edge_index" and data.is_edge_attr(k)]
+
+        self.halos: list[Tensor] = []
+        self._halo_counts: list[Tensor] = []
+        for r in range(num_parts):
+            e = self._edges_of(r)
+            s = self.src[e]
+            del e
+            owner = self.parts[s]
+            remote = owner != r
+            # Sorting by (owner, global id) gives the all_to_all receive layout directly.
+            keys = torch.unique(owner[remote] * num_nodes + s[remote])
+            del s, owner, remote
+            self.halos.append(keys % num_nodes)
+            self._halo_counts.append(torch.bincount(keys // num_nodes, minlength=num_parts))
+        # send lists: rank q sends to rank r the halo rows of r owned by q, in r's order.
+        self._send: list[list[Tensor]] = [[] for _ in range(num_parts)]
+        for r in range(num_parts):
+            chunks = torch.split(self.halos[r], self._halo_counts[r].tolist())
+            for q in range(num_parts):
+                self._send[q].append(self.local_id[chunks[q]])
+
+    def _count_edges(self) -> Tensor:
+        counts = torch.zeros(self.num_parts, dtype=torch.long)
+        step = 1 << 22
+        for lo in range(0, self._dst_part.numel(), step):
+            counts += torch.bincount(self._dst_part[lo : lo + step].long(), minlength=self.num_parts)
+        return counts
+
+    def _edges_of(self, r: int) -> Tensor:
+        """Ids of the edges whose destination part ``r`` owns, ascending (original order)."""
+        return (self._dst_part == r).nonzero().view(-1)
+
+    def part(self, r: int) -> LocalPartition:
+        """The :class:`LocalPartition` of rank ``r``."""
+        num_nodes, num_parts = self.num_nodes, self.num_parts
+        e = self._edges_of(r)
+        s, d = self.src[e], self.dst[e]
+        owner = self.parts[s]
+        remote = owner != r
+        n_owned = int(self.num_owned[r])
+        keys = self.halos[r]  # sorted by (owner, global id): search that composite key
         s_local = torch.empty_like(s)
-        s_local[~remote] = local_id[s[~remote]]
-        s_local[remote] = n_owned + torch.searchsorted(keys, src_part[e][remote] * num_nodes + s[remote])
-        edges_local.append(torch.stack([s_local, local_id[d]]))
-        mm = torch.zeros(n_owned, dtype=torch.bool)
-        mm[local_id[d[remote]]] = True
-        marginal.append(mm)
-
-    # send lists: rank q sends to rank r the halo rows of r owned by q, in r's order.
-    send_parts: list[list[Tensor]] = [[] for _ in range(num_parts)]
-    for r in range(num_parts):
-        chunks = torch.split(halos[r], halo_counts[r].tolist())
-        for q in range(num_parts):
-            send_parts[q].append(local_id[chunks[q]])
-
-    out = []
-    for r in range(num_parts):
-        owned = (parts == r).nonzero().flatten()
-        local = Data(edge_index=edges_local[r])
-        for k in node_keys:
-            local[k] = data[k][owned]
-        e = edge_groups[r]
-        for k in edge_keys:
-            local[k] = data[k][e]
+        local_mask = ~remote
+        s_local[local_mask] = self.local_id[s[local_mask]]
+        halo_keys = self.parts[keys] * num_nodes + keys
+        s_local[remote] = n_owned + torch.searchsorted(halo_keys, owner[remote] * num_nodes + s[remote])
+        del owner, local_mask, halo_keys
+        d_local = self.local_id[d]
+        marginal = torch.zeros(n_owned, dtype=torch.bool)
+        marginal[d_local[remote]] = True
+        del remote, d
+        local = Data(edge_index=torch.stack([s_local, d_local]))
+        del s_local, d_local, s
+        owned = (self.parts == r).nonzero().flatten()
+        for k in self.node_keys:
+            local[k] = self.data[k][owned]
+        for k in self.edge_keys:
+            local[k] = self.data[k][e]
+        del e
         local.n_id = owned
-        local.halo_n_id = halos[r]
+        local.halo_n_id = self.halos[r]
         local.num_nodes = owned.numel()
-        send_counts = [int(t.numel()) for t in send_parts[r]]
+        send = self._send[r]
         plan = HaloPlan(
             rank=r,
             world_size=num_parts,
             num_owned=owned.numel(),
-            num_halo=halos[r].numel(),
-            send_index=torch.cat(send_parts[r]) if send_parts[r] else torch.zeros(0, dtype=torch.long),
-            send_counts=send_counts,
-            recv_counts=[int(c) for c in halo_counts[r].tolist()],
-            marginal_mask=marginal[r],
+            num_halo=self.halos[r].numel(),
+            send_index=torch.cat(send) if send else torch.zeros(0, dtype=torch.long),
+            send_counts=[int(t.numel()) for t in send],
+            recv_counts=[int(c) for c in self._halo_counts[r].tolist()],
+            marginal_mask=marginal,
         )
-        out.append(LocalPartition(data=local, plan=plan, num_global_nodes=num_nodes))
-    return out
+        return LocalPartition(data=local, plan=plan, num_global_nodes=num_nodes)
