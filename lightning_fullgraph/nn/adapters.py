@@ -286,21 +286,101 @@ class HaloContext:
     def _gcn_norm(
         self, edge_index: Tensor, edge_weight: Tensor | None, improved: bool, add_self_loops: bool, dtype: torch.dtype
     ) -> tuple[Tensor, Tensor]:
-        n = self.num_owned
+        deg_inv_sqrt = self._gcn_inv_sqrt_degrees(edge_index, edge_weight, improved, add_self_loops, dtype)
+        return self._gcn_edges(edge_index, edge_weight, improved, add_self_loops, dtype, deg_inv_sqrt)
+
+    def _gcn_loops(
+        self, edge_index: Tensor, edge_weight: Tensor | None, improved: bool, add_self_loops: bool, dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor]:
+        """The local edges and weights after PyG's self-loop rule (owned nodes only)."""
         # As PyG's gcn_norm: without edge weights the added self-loops weigh 1 even when
         # improved=True (its fill value only applies to weighted graphs).
         fill = 2.0 if improved and edge_weight is not None else 1.0
         if edge_weight is None:
             edge_weight = torch.ones(edge_index.size(1), dtype=dtype, device=edge_index.device)
         if add_self_loops:
-            edge_index, edge_weight = add_remaining_self_loops(edge_index, edge_weight, fill, num_nodes=n)
-        row, col = edge_index[0], edge_index[1]
-        deg = scatter(edge_weight, col, dim=0, dim_size=n, reduce="sum")
+            edge_index, edge_weight = add_remaining_self_loops(edge_index, edge_weight, fill, num_nodes=self.num_owned)
+        return edge_index, edge_weight
+
+    def _gcn_inv_sqrt_degrees(
+        self, edge_index: Tensor, edge_weight: Tensor | None, improved: bool, add_self_loops: bool, dtype: torch.dtype
+    ) -> Tensor:
+        """``[N_r + H_r]`` inverse square roots of the global degrees (one exact exchange)."""
+        edge_index, edge_weight = self._gcn_loops(edge_index, edge_weight, improved, add_self_loops, dtype)
+        deg = scatter(edge_weight, edge_index[1], dim=0, dim_size=self.num_owned, reduce="sum")
+        del edge_index, edge_weight
         # Halo degrees are only known to their owners: they travel like any other row.
         deg_full = self.exchanger.exchange(deg.unsqueeze(-1), exact=True).squeeze(-1)
         deg_inv_sqrt = deg_full.pow(-0.5)
-        deg_inv_sqrt = deg_inv_sqrt.masked_fill(deg_inv_sqrt == float("inf"), 0.0)
+        return deg_inv_sqrt.masked_fill(deg_inv_sqrt == float("inf"), 0.0)
+
+    def _gcn_edges(
+        self,
+        edge_index: Tensor,
+        edge_weight: Tensor | None,
+        improved: bool,
+        add_self_loops: bool,
+        dtype: torch.dtype,
+        deg_inv_sqrt: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """The normalised edge list from :meth:`_gcn_inv_sqrt_degrees`' result (no exchange)."""
+        edge_index, edge_weight = self._gcn_loops(edge_index, edge_weight, improved, add_self_loops, dtype)
+        row, col = edge_index[0], edge_index[1]
         return edge_index, deg_inv_sqrt[row] * edge_weight * deg_inv_sqrt[col]
+
+    def gcn_adjacency(
+        self, edge_index: Tensor, edge_weight: Tensor | None, improved: bool, add_self_loops: bool, dtype: torch.dtype
+    ) -> Tensor:
+        """Cached ``[N_r, N_r + H_r]`` CSR of :meth:`gcn_norm`'s edges and weights, for edge
+        weights that need no gradient (or none).
+
+        Only the CSR matrix and the ``[N_r + H_r]`` inverse square-root degrees are kept: the
+        normalised edge list (``[2, E'_r]`` indices and ``[E'_r]`` weights, 20 bytes per edge
+        that the fused path never reads) is built, sorted into the CSR and dropped.  The CSR
+        is entry for entry the one :meth:`adjacency` builds from :meth:`gcn_norm`'s output.
+        """
+        def build() -> Tensor:
+            deg_inv_sqrt = self._gcn_degrees(edge_index, edge_weight, improved, add_self_loops, dtype)
+            ei, weight = self._gcn_edges(edge_index, edge_weight, improved, add_self_loops, dtype, deg_inv_sqrt)
+            return csr_adjacency(ei, weight, self.num_owned, self.num_full, _csr_dtype_of(dtype))
+
+        return self.cache.get((edge_index, edge_weight), ("gcn_csr", improved, add_self_loops, dtype), build)
+
+    def _gcn_degrees(
+        self, edge_index: Tensor, edge_weight: Tensor | None, improved: bool, add_self_loops: bool, dtype: torch.dtype
+    ) -> Tensor:
+        """Cached :meth:`_gcn_inv_sqrt_degrees` (``[N_r + H_r]``: per row, not per edge)."""
+        return self.cache.get(
+            (edge_index, edge_weight),
+            ("gcn_deg", improved, add_self_loops, dtype),
+            lambda: self._gcn_inv_sqrt_degrees(edge_index, edge_weight, improved, add_self_loops, dtype),
+        )
+
+    def gcn_score(
+        self,
+        edge_index: Tensor,
+        edge_weight: Tensor | None,
+        improved: bool,
+        add_self_loops: bool,
+        dtype: torch.dtype,
+        rule: tuple,
+    ) -> Callable[[], Tensor]:
+        """:meth:`score` of GCN's normalised edges after :meth:`gcn_adjacency` (which keeps
+        no edge list): the call rebuilds the edges from the cached degrees (no exchange),
+        scores them with ``("sum",)`` and drops them; cached as :meth:`score` caches."""
+        sources = (edge_index, edge_weight)
+        num_owned, num_halo = self.num_owned, self.exchanger.plan.num_halo
+
+        def build() -> Tensor:
+            # A cache hit: gcn_adjacency ran first and its sources are alive (held here).
+            deg_inv_sqrt = self._gcn_degrees(edge_index, edge_weight, improved, add_self_loops, dtype)
+            ei, weight = self._gcn_edges(edge_index, edge_weight, improved, add_self_loops, dtype, deg_inv_sqrt)
+            return halo_scores(ei, weight, rule, num_owned, num_halo)
+
+        def score() -> Tensor:
+            return self.cache.get(sources, ("score", rule), build)
+
+        return score
 
 
 # -- aggregation scores -----------------------------------------------------------------
@@ -357,7 +437,11 @@ def halo_scores(
 def _csr_dtype(x: Tensor) -> torch.dtype:
     """Value dtype of the CSR blocks: float64 for float64 features, else float32 (torch's CSR
     products have no half/bfloat16 kernels; see ``_make_message_and_aggregate``)."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+    return _csr_dtype_of(x.dtype)
+
+
+def _csr_dtype_of(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 # Convs whose fused path is exact on a CSR adjacency, and what its values hold: "ones"
 # (the conv ignores edge weights: SAGE, GIN) or "edge_weight" (GraphConv's optional weights).
@@ -418,13 +502,29 @@ def _gcn(conv: GCNConv, forward, ctx: HaloContext, x: Tensor, edge_index, args: 
     if conv.flow != "source_to_target":
         raise UnsupportedConvError("GCNConv with flow='target_to_source' is not supported by FullGraphStrategy")
     sources = (edge_index, edge_weight)
+    rule = ("sum", "gcn", bool(conv.normalize), bool(conv.improved), bool(conv.add_self_loops))
+    if (
+        conv.normalize
+        and not ctx.overlap
+        and (edge_weight is None or not edge_weight.requires_grad)
+        and ctx.use_sparse(conv, x, edge_weight)
+    ):
+        # The fused path only reads the CSR: build it from the normalised edges and keep no
+        # edge list (same matrix, same score, as the general path below).  The degree exchange
+        # runs (once) before the feature exchange, as below.
+        adj = ctx.gcn_adjacency(edge_index, edge_weight, conv.improved, conv.add_self_loops, x.dtype)
+        score = ctx.gcn_score(edge_index, edge_weight, conv.improved, conv.add_self_loops, x.dtype, rule)
+        normalize, conv.normalize = conv.normalize, False
+        try:
+            return forward(ctx.exchange(x, score), adj)
+        finally:
+            conv.normalize = normalize
     if conv.normalize:
         edge_index, weight = ctx.gcn_norm(edge_index, edge_weight, conv.improved, conv.add_self_loops, x.dtype)
     else:
         weight = edge_weight
     # The coefficients are the values aggregated below (global-degree normalisation or the
     # raw weights), cached on the user's tensors and this conv's normalisation options.
-    rule = ("sum", "gcn", bool(conv.normalize), bool(conv.improved), bool(conv.add_self_loops))
     score = ctx.score(conv, edge_index, weight, rule=rule, sources=sources)
     sparse = ctx.use_sparse(conv, x, weight)
     split = ctx.split(edge_index, weight, sparse=sparse, dtype=_csr_dtype(x)) if ctx.overlap else None

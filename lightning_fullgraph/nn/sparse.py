@@ -36,6 +36,19 @@ __all__ = ["DerivedCache", "SplitBlocks", "csr_adjacency", "csr_transpose", "mea
 T = TypeVar("T")
 
 
+def _index_dtype(num_dst: int, num_src: int, nnz: int) -> torch.dtype:
+    """Index dtype of a CSR block: int32 while every index and the entry count fit (half the
+    bytes per entry; ``torch.sparse.mm`` takes either), else int64."""
+    return torch.int32 if max(num_dst, num_src, nnz) < 2**31 - 1 else torch.int64
+
+
+def _csr(crow: Tensor, col: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:
+    with warnings.catch_warnings():
+        # torch says once per process that CSR support is "beta"; it is what PyG uses.
+        warnings.filterwarnings("ignore", message=".*Sparse CSR tensor support is in beta.*")
+        return torch.sparse_csr_tensor(crow, col, values, shape, check_invariants=False)
+
+
 def csr_adjacency(edge_index: Tensor, values: Tensor | None, num_dst: int, num_src: int, dtype: torch.dtype) -> Tensor:
     r"""The transposed adjacency ``A^T`` of a (bipartite) edge list as a sorted CSR matrix.
 
@@ -49,41 +62,59 @@ def csr_adjacency(edge_index: Tensor, values: Tensor | None, num_dst: int, num_s
 
     Returns:
         ``torch.sparse_csr`` tensor of shape ``[num_dst, num_src]``; entries of one row are
-        sorted by source id; duplicate edges are kept as separate entries.
+        sorted by source id; duplicate edges are kept as separate entries.  Its indices are
+        int32 where they fit (:func:`_index_dtype`): 4 + 4 bytes per entry with float32
+        values instead of 8 + 4.
     """
     src, dst = edge_index[0], edge_index[1]
-    # A stable sort by (destination, source) keeps duplicate edges in input order.
-    perm = torch.argsort(dst * max(num_src, 1) + src, stable=True)
-    crow = torch._convert_indices_from_coo_to_csr(dst[perm], num_dst)
+    nnz = src.numel()
+    index_dtype = _index_dtype(num_dst, num_src, nnz)
+    # A stable sort by (destination, source) keeps duplicate edges in input order.  The key
+    # is built in place and dropped before the gathers: one [E] int64 temporary, not two.
+    key = dst.to(torch.int64) * max(num_src, 1)
+    key += src
+    perm = torch.argsort(key, stable=True)
+    del key
+    crow = torch._convert_indices_from_coo_to_csr(dst[perm], num_dst, out_int32=index_dtype == torch.int32)
+    col = src[perm].to(index_dtype)
     if values is None:
-        vals = torch.ones(src.numel(), dtype=dtype, device=src.device)
+        vals = torch.ones(nnz, dtype=dtype, device=src.device)
     else:
         vals = values.detach()[perm].to(dtype)
-    with warnings.catch_warnings():
-        # torch says once per process that CSR support is "beta"; it is what PyG uses.
-        warnings.filterwarnings("ignore", message=".*Sparse CSR tensor support is in beta.*")
-        return torch.sparse_csr_tensor(crow, src[perm], vals, (num_dst, num_src), check_invariants=False)
+    return _csr(crow, col, vals, (num_dst, num_src))
 
 
 def csr_transpose(adj: Tensor) -> Tensor:
-    """``A`` as a CSR matrix of its transpose, ``[S, D] `` from ``[D, S]`` (sorted)."""
+    """``A`` as a CSR matrix of its transpose, ``[S, D] `` from ``[D, S]`` (sorted).
+
+    Entry for entry the matrix :func:`csr_adjacency` builds from ``A``'s entries as edges
+    ``column -> row``: ``A``'s entries are in (row, column) order, so a stable sort by
+    column alone puts them in (column, row) order with duplicates in ``A``'s order, the same
+    permutation as the stable sort by the combined key.  It needs no ``[2, E]`` COO copy and
+    no combined key: a row index and the permutation are the only ``[E]`` temporaries.
+    """
     d, n = adj.shape
     crow, col, val = adj.crow_indices(), adj.col_indices(), adj.values()
-    row = torch._convert_indices_from_csr_to_coo(crow, col)[0]
-    return csr_adjacency(torch.stack([row, col]), val, n, d, val.dtype)
+    nnz = val.numel()
+    index_dtype = _index_dtype(n, d, nnz)
+    perm = torch.argsort(col, stable=True)
+    new_crow = torch._convert_indices_from_coo_to_csr(col[perm], n, out_int32=index_dtype == torch.int32)
+    rows = torch.arange(d, dtype=index_dtype, device=crow.device)
+    row = torch.repeat_interleave(rows, (crow[1:] - crow[:-1]).to(torch.int64), output_size=nnz)
+    new_col = row[perm]
+    del row
+    return _csr(new_crow, new_col, val[perm], (n, d))
 
 
 def mean_operator(adj: Tensor) -> Tensor:
     """``D^{-1} A``: the CSR matrix whose product is the row mean of ``A``'s entries
-    (``reduce="mean"``: each row's values divided by its entry count; empty rows stay 0)."""
+    (``reduce="mean"``: each row's values divided by its entry count; empty rows stay 0).
+    Shares ``A``'s index tensors: only the values are new."""
     crow = adj.crow_indices()
-    count = (crow[1:] - crow[:-1]).clamp(min=1).to(adj.dtype)
-    per_entry = torch.repeat_interleave(count, crow[1:] - crow[:-1], output_size=adj.values().numel())
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Sparse CSR tensor support is in beta.*")
-        return torch.sparse_csr_tensor(
-            crow, adj.col_indices(), adj.values() / per_entry, adj.shape, check_invariants=False
-        )
+    counts = (crow[1:] - crow[:-1]).to(torch.int64)
+    count = counts.clamp(min=1).to(adj.dtype)
+    per_entry = torch.repeat_interleave(count, counts, output_size=adj.values().numel())
+    return _csr(crow, adj.col_indices(), adj.values() / per_entry, adj.shape)
 
 
 class _SpMM(torch.autograd.Function):

@@ -144,3 +144,61 @@ def test_empty_adjacency() -> None:
     out = spmm(mean_operator(adj), csr_transpose(mean_operator(adj)), x)
     out.sum().backward()
     assert out.shape == (3, 4) and not out.any() and not x.grad.any()
+
+
+def _reference_transpose(adj: torch.Tensor) -> torch.Tensor:
+    """The previous ``csr_transpose``: COO rows and columns stacked, re-sorted by the combined key."""
+    d, n = adj.shape
+    crow, col, val = adj.crow_indices().long(), adj.col_indices().long(), adj.values()
+    row = torch._convert_indices_from_csr_to_coo(crow, col)[0]
+    return csr_adjacency(torch.stack([row, col]), val, n, d, val.dtype)
+
+
+@pytest.mark.parametrize("num_edges", [0, 1, 200, 2000])
+def test_transpose_is_entry_for_entry_the_sorted_edge_list_build(num_edges: int) -> None:
+    """The counting-free transpose (stable sort by column only) gives exactly the matrix the
+    combined-key build of the transposed edge list gives, duplicates in the same order.
+    Negative control: an unstable sort by column (``stable=False``) reorders duplicate and
+    same-column entries and fails the value comparison."""
+    edge_index, _, _ = _bipartite(num_edges=num_edges)  # duplicates included
+    weight = torch.arange(edge_index.size(1), dtype=torch.float64)  # distinct values: the order shows
+    adj = csr_adjacency(edge_index, weight, 30, 50, torch.float64)
+    for op in (adj, mean_operator(adj)):
+        got, expected = csr_transpose(op), _reference_transpose(op)
+        assert got.shape == expected.shape == (50, 30)
+        assert torch.equal(got.crow_indices().long(), expected.crow_indices().long())
+        assert torch.equal(got.col_indices().long(), expected.col_indices().long())
+        assert torch.equal(got.values(), expected.values())
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "max"])
+def test_int32_indices_give_the_same_products_as_int64(reduce: str) -> None:
+    """CSR blocks use int32 indices (half the index bytes); ``torch.sparse.mm`` forward (sum,
+    mean, max) and :func:`spmm`'s gradient are bitwise those of int64 indices.  Negative
+    control: a kernel that rejected int32 indices raises; one that summed in another order
+    fails ``torch.equal``."""
+    edge_index, weight, x = _bipartite(num_edges=2000)
+    adj = csr_adjacency(edge_index, weight, 30, 50, torch.float64)
+    assert adj.crow_indices().dtype == adj.col_indices().dtype == torch.int32
+    wide = torch.sparse_csr_tensor(
+        adj.crow_indices().long(), adj.col_indices().long(), adj.values(), adj.shape, check_invariants=False
+    )
+    g = torch.randn(30, 6, dtype=torch.float64)
+    results = []
+    for a in (adj, wide):  # torch's own product and autograd (PyG's path for max / min)
+        xi = x.clone().requires_grad_()
+        out = torch.sparse.mm(a, xi, reduce)
+        out.backward(g)
+        results.append((out, xi.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    if reduce == "max":
+        return
+    op, op_wide = (adj, wide) if reduce == "sum" else (mean_operator(adj), mean_operator(wide))
+    assert op.col_indices().dtype == torch.int32 and op_wide.col_indices().dtype == torch.int64
+    grads = []
+    for a in (op, op_wide):
+        xi = x.clone().requires_grad_()
+        out = spmm(a, csr_transpose(a), xi)
+        out.backward(g)
+        grads.append((out, xi.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])

@@ -1,0 +1,137 @@
+"""Per-edge memory the sparse aggregation path keeps after the first forward and backward.
+
+The budgets count the bytes of the tensors the :class:`HaloContext` cache actually references
+(every storage reachable from its entries, CSR index and value arrays included, each storage
+once), not anything the code reports about itself.  With ``E`` local edges and ``R = N_r + H_r``
+rows, the path needs per cached CSR ``E`` int32 column indices and ``E`` float32 values, and
+per-row arrays besides.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch_geometric.nn import GCNConv, SAGEConv
+
+from lightning_fullgraph.nn.adapters import HaloContext, install_adapters
+from lightning_fullgraph.nn.sparse import csr_adjacency
+
+NUM_OWNED, NUM_HALO, NUM_EDGES = 600, 400, 12_000
+
+
+class _Pending:
+    def __init__(self, halo: Tensor) -> None:
+        self.halo = halo
+
+    def wait(self) -> Tensor:
+        return self.halo
+
+
+class _Exchanger:
+    """The other ranks: fixed halo feature rows, halo degree rows 7."""
+
+    def __init__(self) -> None:
+        self.plan = SimpleNamespace(num_owned=NUM_OWNED, num_halo=NUM_HALO, rank=0, world_size=2)
+        self.halo_x = torch.randn(NUM_HALO, 64, generator=torch.Generator().manual_seed(1))
+
+    def _halo(self, x: Tensor, exact: bool) -> Tensor:
+        if exact:
+            return torch.full((NUM_HALO, x.size(1)), 7.0, dtype=x.dtype)
+        return self.halo_x[:, : x.size(1)].to(x.dtype)
+
+    def exchange(self, x: Tensor, exact: bool = False, score: Any = None) -> Tensor:
+        return torch.cat([x, self._halo(x, exact)], dim=0)
+
+    def exchange_async(self, x: Tensor, exact: bool = False, score: Any = None) -> _Pending:
+        return _Pending(self._halo(x, exact))
+
+
+def _graph() -> Tensor:
+    g = torch.Generator().manual_seed(0)
+    src = torch.randint(0, NUM_OWNED + NUM_HALO, (NUM_EDGES,), generator=g)
+    dst = torch.randint(0, NUM_OWNED, (NUM_EDGES,), generator=g)
+    return torch.stack([src, dst])
+
+
+def _held_bytes(obj: Any, seen: set[tuple[int, int]], visited: set[int]) -> int:
+    """Bytes of every tensor storage reachable from ``obj`` (each storage once)."""
+    if isinstance(obj, Tensor):
+        if obj.layout == torch.sparse_csr:
+            parts = (obj.crow_indices(), obj.col_indices(), obj.values())
+            return sum(_held_bytes(t, seen, visited) for t in parts)
+        if obj.layout != torch.strided:
+            raise AssertionError(f"unexpected layout {obj.layout} in the cache")
+        storage = obj.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key in seen:
+            return 0
+        seen.add(key)
+        return storage.nbytes()
+    if id(obj) in visited:
+        return 0
+    visited.add(id(obj))
+    if isinstance(obj, dict):
+        return sum(_held_bytes(v, seen, visited) for v in obj.values())
+    if isinstance(obj, (tuple, list)):
+        return sum(_held_bytes(v, seen, visited) for v in obj)
+    slots = getattr(type(obj), "__slots__", ())
+    total = sum(_held_bytes(getattr(obj, s, None), seen, visited) for s in slots)
+    return total + sum(_held_bytes(v, seen, visited) for v in getattr(obj, "__dict__", {}).values())
+
+
+def _train_step(kind: str) -> tuple[HaloContext, Tensor]:
+    torch.manual_seed(0)
+    ctx = HaloContext(_Exchanger())
+    make = GCNConv if kind == "gcn" else SAGEConv
+    convs = nn.ModuleList([make(16, 32), make(32, 8)])
+    install_adapters(convs, ctx)
+    edge_index = _graph()
+    x = torch.randn(NUM_OWNED, 16)
+    h = torch.relu(convs[0](x, edge_index))
+    convs[1](h, edge_index).sum().backward()
+    return ctx, edge_index
+
+
+@pytest.mark.parametrize(
+    ("kind", "per_edge"),
+    [
+        # CSR and its transpose: 4 + 4 bytes each per entry (self-loops add at most N_r entries).
+        ("gcn", 16),
+        # ones-valued CSR (4 + 4), the mean operator's values (4; indices shared), the transpose (4 + 4).
+        ("sage", 20),
+    ],
+)
+def test_cached_structures_stay_under_a_per_edge_budget(kind: str, per_edge: int) -> None:
+    """After one forward and backward the context's cache holds at most ``per_edge`` bytes per
+    local edge plus 48 bytes per row.  Negative control: the previous layout (int64 CSR
+    indices; for GCN also the cached normalised ``[2, E']`` edge list and ``[E']`` weights)
+    holds 44 (GCN) / 28 (SAGE) bytes per edge and fails."""
+    ctx, edge_index = _train_step(kind)
+    held = _held_bytes(ctx.cache._entries, set(), set())
+    rows = NUM_OWNED + NUM_HALO
+    edges = edge_index.size(1) + NUM_OWNED  # self-loops (GCN) at most
+    assert held > 0
+    assert held <= per_edge * edges + 48 * rows, f"{held / edge_index.size(1):.1f} bytes per edge"
+
+
+def test_gcn_sparse_path_keeps_no_edge_list_and_matches_the_edge_list_build() -> None:
+    """The GCN CSR is entry for entry the CSR of the normalised edge list (``gcn_norm`` ->
+    ``csr_adjacency``), and no ``[E]``-sized index or weight tensor besides the CSR blocks is
+    cached.  Negative control: caching ``gcn_norm``'s output (the previous path) leaves its
+    ``[2, E']`` edge list in the cache and fails the second check."""
+    ctx, edge_index = _train_step("gcn")
+    reference = HaloContext(_Exchanger())
+    ei, w = reference.gcn_norm(edge_index, None, False, True, torch.float32)
+    expected = csr_adjacency(ei, w, NUM_OWNED, NUM_OWNED + NUM_HALO, torch.float32)
+    adj = ctx.gcn_adjacency(edge_index, None, False, True, torch.float32)
+    assert torch.equal(adj.crow_indices(), expected.crow_indices())
+    assert torch.equal(adj.col_indices(), expected.col_indices())
+    assert torch.equal(adj.values(), expected.values())
+    for _, value in ctx.cache._entries.values():
+        for t in value if isinstance(value, tuple) else (value,):
+            if isinstance(t, Tensor) and t.layout == torch.strided:
+                assert t.numel() < edge_index.size(1), f"an edge-sized tensor {tuple(t.shape)} is cached"
