@@ -14,14 +14,16 @@ bit-widths (at most ``4 W``), never over rows.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_fullgraph.comm.quantize import SUPPORTED_BITS, dequantize, from_bytes, quantize, row_nbytes
 
-__all__ = ["EncodedRows", "decode_rows", "encode_rows", "message_nbytes"]
+__all__ = ["EncodedRows", "ReceivedRows", "decode_rows", "encode_rows", "message_nbytes"]
 
 BIT_CHOICES = SUPPORTED_BITS
 
@@ -130,3 +132,42 @@ def _decode_grouped(
         flat = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
         out[idx] = dequantize(from_bytes(flat.contiguous(), idx.numel(), row_len, b))
     return out
+
+
+@dataclass
+class ReceivedRows:
+    """A received compressed message kept as its bytes, decoded only when used.
+
+    Sylvie's pipeline keeps each layer's last halo block and gradient block for an epoch;
+    kept encoded they take ``~(bits + 8 * META_NBYTES / F) / 32`` of the float32 rows'
+    memory (1-bit rows of 128 values: 20 bytes instead of 512).  Decoding is deterministic,
+    so :meth:`decode` returns exactly the rows :func:`decode_rows` gave at receipt.
+
+    Attributes:
+        buffer: ``[sum(nbytes)]`` uint8, the received messages back to back.
+        bits: ``[R]`` bit-width of every received row.
+        counts: Rows received from each peer.
+        row_len: Values per row ``F``.
+        dtype: dtype of the decoded rows (the sender's).
+        stats: Optional object with a ``quant_time`` attribute that decoding time is added to.
+    """
+
+    buffer: Tensor
+    bits: Tensor
+    counts: list[int]
+    row_len: int
+    dtype: torch.dtype
+    stats: Any = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Shape of the decoded rows, ``(R, F)``."""
+        return (self.bits.numel(), self.row_len)
+
+    def decode(self) -> Tensor:
+        """The ``[R, F]`` rows (a new tensor on every call)."""
+        t = time.perf_counter()
+        out = decode_rows(self.buffer, self.bits, self.counts, self.row_len).to(self.dtype)
+        if self.stats is not None:
+            self.stats.quant_time += time.perf_counter() - t
+        return out

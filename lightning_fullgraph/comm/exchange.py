@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from lightning_fullgraph.comm.policy import CompressionPolicy, ExactPolicy
+from lightning_fullgraph.comm.staleness import block_rows
 from lightning_fullgraph.comm.transport import CommStats, HaloTransport
 from lightning_fullgraph.partition.plan import HaloPlan
 
@@ -98,7 +99,9 @@ class HaloExchanger:
         return any(r() is x for r in self._static_refs)
 
     # -- sending --------------------------------------------------------------------------
-    def launch(self, rows: Tensor, layer: int | None, direction: str, kind: str = "message") -> Callable[[], Tensor]:
+    def launch(
+        self, rows: Tensor, layer: int | None, direction: str, kind: str = "message"
+    ) -> Callable[[], Tensor]:
         """Starts one message: ``rows`` are the sent rows (forward: ``[S, F]`` in send order;
         backward: ``[H, F]`` gradients in halo order).  Returns the closure that waits."""
         plan = self.plan
@@ -117,8 +120,14 @@ class HaloExchanger:
                     policy.observe(layer, direction, rng, dim)
 
         return self.transport.start(
-            rows, *counts, bits=bits, generator=self.policy.generator, kind=kind, layer=layer,
-            direction=direction, on_range=on_range,
+            rows,
+            *counts,
+            bits=bits,
+            generator=self.policy.generator,
+            kind=kind,
+            layer=layer,
+            direction=direction,
+            on_range=on_range,
         )
 
     def _check_rows(self, x: Tensor) -> None:
@@ -184,7 +193,9 @@ class HaloExchanger:
         token = _StartFn.apply(x, self, layer, state)
         return _Pending(lambda: _WaitFn.apply(token, self, layer, state))
 
-    def _next_layer(self, x: Tensor, grad: bool, exact: bool, score: Callable[[], Tensor] | None) -> int | None:
+    def _next_layer(
+        self, x: Tensor, grad: bool, exact: bool, score: Callable[[], Tensor] | None
+    ) -> int | None:
         if self.training and not exact and (grad or not self._is_static(x)):
             layer = self._layer
             self._layer += 1
@@ -239,22 +250,38 @@ class _HaloExchangeFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, exchanger: HaloExchanger, layer: int | None, pipeline: Any) -> Tensor:
         ctx.exchanger, ctx.layer, ctx.pipeline = exchanger, layer, pipeline
-        halo = exchanger.fetch(x, layer)
-        if pipeline is not None:
-            pipe = pipeline.layer(layer)
-            pipeline.receive_halo(pipe, halo.detach(), pipeline.epoch, synchronous=True)
-            pipeline.record_age(layer, 0)
-        return halo
+        if pipeline is None:
+            return exchanger.fetch(x, layer)
+        exchanger._check_rows(x)
+        # kept as received (encoded when compressed) for the asynchronous epochs that follow
+        block = _kept(
+            exchanger.launch(x.detach().index_select(0, exchanger.plan.send_index), layer, "forward")
+        )()
+        rows = block_rows(block)
+        pipe = pipeline.layer(layer)
+        # (float rows are this function's output: keep a detached alias, not the graph's node)
+        pipeline.receive_halo(
+            pipe, block.detach() if isinstance(block, Tensor) else block, pipeline.epoch, True
+        )
+        pipeline.record_age(layer, 0)
+        return rows
 
     @staticmethod
     def backward(ctx: Any, grad_halo: Tensor) -> tuple[Tensor, None, None, None]:
         exchanger: HaloExchanger = ctx.exchanger
         exchanger.stats.backward_exchanges += 1
-        recv = exchanger.launch(grad_halo.contiguous(), ctx.layer, "backward")()
-        if ctx.pipeline is not None:
-            st = ctx.pipeline
-            st.receive_grad(st.layer(ctx.layer), recv, st.epoch, synchronous=True)
-        return exchanger._add_home(recv), None, None, None
+        finish = exchanger.launch(grad_halo.contiguous(), ctx.layer, "backward")
+        if ctx.pipeline is None:
+            return exchanger._add_home(finish()), None, None, None
+        block = _kept(finish)()
+        st = ctx.pipeline
+        st.receive_grad(st.layer(ctx.layer), block, st.epoch, synchronous=True)
+        return exchanger._add_home(block_rows(block)), None, None, None
+
+
+def _kept(finish: Any) -> Any:
+    """The waiting closure that returns a message as received (encoded when compressed)."""
+    return getattr(finish, "received", finish)
 
 
 class _Pending:
@@ -321,12 +348,13 @@ class _StaleFn(torch.autograd.Function):
             # synchronous epoch): fetch fresh rows rather than feed zeros
             st.receive_halo(pipe, exchanger.fetch(x, layer), st.epoch, synchronous=True)
         if policy.launch:
-            pipe.fwd_pending = exchanger.launch(x.detach().index_select(0, exchanger.plan.send_index), layer, "forward")
+            pipe.fwd_pending = _kept(
+                exchanger.launch(x.detach().index_select(0, exchanger.plan.send_index), layer, "forward")
+            )
             pipe.fwd_epoch = st.epoch
         st.record_age(layer, st.epoch - pipe.halo_epoch)
         ctx.exchanger, ctx.layer = exchanger, layer
-        assert pipe.halo is not None
-        return pipe.halo.clone()
+        return st.halo_rows(pipe)
 
     @staticmethod
     def backward(ctx: Any, grad_halo: Tensor) -> tuple[Tensor, None, None]:
@@ -336,10 +364,10 @@ class _StaleFn(torch.autograd.Function):
         assert st is not None
         pipe = st.layer(ctx.layer)
         st.land_gradient(pipe)
-        stale = pipe.grad
+        stale = st.grad_rows(pipe)
         exchanger.stats.backward_exchanges += 1
         if policy.launch:
-            pipe.grad_pending = exchanger.launch(grad_halo.contiguous(), ctx.layer, "backward")
+            pipe.grad_pending = _kept(exchanger.launch(grad_halo.contiguous(), ctx.layer, "backward"))
             pipe.grad_pending_epoch = st.epoch
         plan = exchanger.plan
         grad = grad_halo.new_zeros((plan.num_owned,) + tuple(grad_halo.shape[1:]))

@@ -43,14 +43,28 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["SMOOTH_CHOICES", "LayerPipe", "StalenessState"]
+from lightning_fullgraph.comm.codec import ReceivedRows
+
+__all__ = ["SMOOTH_CHOICES", "Block", "LayerPipe", "StalenessState", "block_rows"]
 
 SMOOTH_CHOICES: tuple[str, ...] = ("features", "gradients", "both")
+
+#: A kept block: float rows, or a compressed message kept encoded (decoded when used).
+Block = Tensor | ReceivedRows
+
+
+def block_rows(block: Block) -> Tensor:
+    """The rows of a kept block (decoded if it is kept encoded; the tensor itself otherwise)."""
+    return block.decode() if isinstance(block, ReceivedRows) else block
 
 
 @dataclass
 class LayerPipe:
     """Pipeline buffers of one layer on one rank.
+
+    A received compressed block is kept encoded (:class:`~lightning_fullgraph.comm.codec.
+    ReceivedRows`, 1-bit rows: ~1/25 of the float32 memory) until it is used; a smoothing
+    average is float32.
 
     Attributes:
         halo: ``[H, F]`` halo rows to consume next (the smoothing average when on).
@@ -63,13 +77,13 @@ class LayerPipe:
         grad_pending, grad_pending_epoch: The gradient transfer in flight.
     """
 
-    halo: Tensor | None = None
+    halo: Block | None = None
     halo_epoch: int = -1
-    fwd_pending: Callable[[], Tensor] | None = None
+    fwd_pending: Callable[[], Block] | None = None
     fwd_epoch: int = -1
-    grad: Tensor | None = None
+    grad: Block | None = None
     grad_epoch: int = -1
-    grad_pending: Callable[[], Tensor] | None = None
+    grad_pending: Callable[[], Block] | None = None
     grad_pending_epoch: int = -1
 
 
@@ -114,20 +128,31 @@ class StalenessState:
     def _smooths(self, what: str) -> bool:
         return self.smoothing is not None and self.smooth in (what, "both")
 
-    def _blend(self, old: Tensor | None, new: Tensor, synchronous: bool, what: str) -> Tensor:
-        if synchronous or old is None or not self._smooths(what) or old.shape != new.shape:
+    def _blend(self, old: Block | None, new: Block, synchronous: bool, what: str) -> Block:
+        if synchronous or old is None or not self._smooths(what) or tuple(old.shape) != tuple(new.shape):
             return new
         assert self.smoothing is not None
-        return old.mul(self.smoothing).add_(new, alpha=1.0 - self.smoothing)
+        return block_rows(old).mul(self.smoothing).add_(block_rows(new), alpha=1.0 - self.smoothing)
 
-    def receive_halo(self, pipe: LayerPipe, rows: Tensor, sent_epoch: int, synchronous: bool) -> None:
+    def receive_halo(self, pipe: LayerPipe, rows: Block, sent_epoch: int, synchronous: bool) -> None:
         """Keeps a received halo block (updating the average once per block)."""
         pipe.halo = self._blend(pipe.halo, rows, synchronous, "features")
         pipe.halo_epoch = sent_epoch
 
-    def receive_grad(self, pipe: LayerPipe, rows: Tensor, sent_epoch: int, synchronous: bool) -> None:
+    def receive_grad(self, pipe: LayerPipe, rows: Block, sent_epoch: int, synchronous: bool) -> None:
         pipe.grad = self._blend(pipe.grad, rows, synchronous, "gradients")
         pipe.grad_epoch = sent_epoch
+
+    @staticmethod
+    def halo_rows(pipe: LayerPipe) -> Tensor:
+        """A new ``[H, F]`` tensor of the halo rows to consume (never the kept buffer)."""
+        assert pipe.halo is not None
+        return pipe.halo.decode() if isinstance(pipe.halo, ReceivedRows) else pipe.halo.clone()
+
+    @staticmethod
+    def grad_rows(pipe: LayerPipe) -> Tensor | None:
+        """The ``[S, F]`` kept gradient rows (read-only), or ``None``."""
+        return None if pipe.grad is None else block_rows(pipe.grad)
 
     def land_forward(self, pipe: LayerPipe) -> None:
         """Waits for the forward transfer in flight (if any) and keeps its rows."""
@@ -161,9 +186,13 @@ class StalenessState:
     def state_dict(self) -> dict[str, Any]:
         """Waits for in-flight transfers and returns tensors and counters only."""
         self.drain()
+
+        def plain(v: Any) -> Any:  # kept-encoded blocks are saved decoded: same values
+            return block_rows(v) if isinstance(v, ReceivedRows) else v
+
         return {
             "epoch": self.epoch,
-            "layers": {i: {k: getattr(p, k) for k in self._KEYS} for i, p in self.layers.items()},
+            "layers": {i: {k: plain(getattr(p, k)) for k in self._KEYS} for i, p in self.layers.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:

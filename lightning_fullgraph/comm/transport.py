@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_fullgraph.comm.codec import decode_rows, encode_rows, message_nbytes
+from lightning_fullgraph.comm.codec import ReceivedRows, decode_rows, encode_rows, message_nbytes
 from lightning_fullgraph.comm.quantize import META_NBYTES
 from lightning_fullgraph.partition.plan import HaloPlan
 
@@ -70,7 +70,9 @@ class CommStats:
         fresh = CommStats()
         self.__dict__.update(fresh.__dict__)
 
-    def record_message(self, layer: int, direction: str, values: int, payload_bits: int, wire_bits: int) -> None:
+    def record_message(
+        self, layer: int, direction: str, values: int, payload_bits: int, wire_bits: int
+    ) -> None:
         self.values[direction] = self.values.get(direction, 0) + values
         self.payload_bits[direction] = self.payload_bits.get(direction, 0) + payload_bits
         self.wire_bits[direction] = self.wire_bits.get(direction, 0) + wire_bits
@@ -120,7 +122,10 @@ class HaloTransport:
         on_range: Callable[[Tensor], None] | None = None,
     ) -> Callable[[], Tensor]:
         """Launches one all-to-all without waiting; the returned closure waits and returns the
-        received rows ``[sum(recv_counts), *rows.shape[1:]]``.
+        received rows ``[sum(recv_counts), *rows.shape[1:]]``.  Its attribute ``received``
+        waits instead of it and returns what arrived without decoding it: a
+        :class:`~lightning_fullgraph.comm.codec.ReceivedRows` for a compressed message (for
+        keeping it small), the rows themselves otherwise.  Call one of the two, once.
 
         Args:
             rows: ``[sum(send_counts), *]`` rows, peer-contiguous.
@@ -141,13 +146,17 @@ class HaloTransport:
             send = rows.contiguous()
             work = None
             if transfer:
-                work = dist.all_to_all_single(out, send, recv_counts, send_counts, group=self.group, async_op=True)
+                work = dist.all_to_all_single(
+                    out, send, recv_counts, send_counts, group=self.group, async_op=True
+                )
             row_bytes = rows.element_size() * math.prod(rows.shape[1:])
             stats.bytes_sent[kind] += row_bytes * sum(send_counts)
             stats.bytes_recv[kind] += row_bytes * sum(recv_counts)
             if kind == "message" and layer is not None:
                 vbits = 8 * rows.element_size()
-                stats.record_message(layer, direction, send.numel(), send.numel() * vbits, send.numel() * vbits)
+                stats.record_message(
+                    layer, direction, send.numel(), send.numel() * vbits, send.numel() * vbits
+                )
 
             def finish() -> Tensor:
                 t = time.perf_counter()
@@ -156,6 +165,7 @@ class HaloTransport:
                 stats.wait_time += time.perf_counter() - t
                 return out
 
+            finish.received = finish  # type: ignore[attr-defined]
             return finish
         send_bits, recv_bits = bits
         row_len = rows.size(1)
@@ -167,12 +177,16 @@ class HaloTransport:
             on_range(enc.rng)
         if layer is not None:
             payload = int(send_bits.sum()) * row_len
-            stats.record_message(layer, direction, rows.numel(), payload, payload + 8 * META_NBYTES * rows.size(0))
+            stats.record_message(
+                layer, direction, rows.numel(), payload, payload + 8 * META_NBYTES * rows.size(0)
+            )
         alloc = torch.zeros if skip else torch.empty
         buf = alloc(sum(recv_nbytes), dtype=torch.uint8, device=rows.device)
         work = None
         if transfer:
-            work = dist.all_to_all_single(buf, enc.buffer, recv_nbytes, enc.nbytes, group=self.group, async_op=True)
+            work = dist.all_to_all_single(
+                buf, enc.buffer, recv_nbytes, enc.nbytes, group=self.group, async_op=True
+            )
         stats.bytes_sent[kind] += sum(enc.nbytes)
         stats.bytes_recv[kind] += sum(recv_nbytes)
         dtype = rows.dtype
@@ -187,6 +201,14 @@ class HaloTransport:
             stats.quant_time += time.perf_counter() - t1
             return out
 
+        def received() -> ReceivedRows:
+            t = time.perf_counter()
+            if work is not None:
+                work.wait()
+            stats.wait_time += time.perf_counter() - t
+            return ReceivedRows(buf, recv_bits, recv_counts, row_len, dtype, stats)
+
+        finish_compressed.received = received  # type: ignore[attr-defined]
         return finish_compressed
 
     def control(self, rows: Tensor, send_counts: list[int], recv_counts: list[int]) -> Tensor:

@@ -217,3 +217,29 @@ def test_metis_on_a_sample_keeps_the_partition_quality(graph) -> None:
     assert rand["edge_cut_fraction"] > 2 * sampled["edge_cut_fraction"]
     with pytest.raises(ValueError):
         partition_graph(graph.edge_index, N, 4, metis_max_edges=0)
+
+
+@pytest.mark.timeout(120)
+def test_locality_gives_metis_structure_to_find_and_ids_hide_it() -> None:
+    """The nested blocks (``locality``, generator version 2) give METIS a smaller halo: at
+    10^5 nodes a 4-way partition's total halo is well below the structure-less graph's,
+    while homophily and the edge count stay.  Node ids do not reveal the blocks: parts by id
+    range cut about 3/4 of the edges, like a random partition.  Negative control:
+    ``locality=0`` (the version-1 model) leaves a halo of ~2.3 N (measured 2.30 vs 1.64)."""
+    n = 100_000
+
+    def halo(g) -> tuple[float, float]:
+        ei = g.edge_index
+        parts = partition_graph(ei, n, 4, metis_max_edges=ei.size(1) // 8)
+        stats = partition_stats(ei, parts, 4)
+        return int(stats["halo_sizes"].sum()) / n, float((g.y[ei[0]] == g.y[ei[1]]).double().mean())
+
+    local = products_like_graph(num_nodes=n, seed=0)
+    flat = products_like_graph(num_nodes=n, seed=0, locality=0.0)
+    assert local.edge_index.size(1) == flat.edge_index.size(1) == 2 * round(n * MEAN_DEGREE / 2)
+    (h_local, homophily_local), (h_flat, homophily_flat) = halo(local), halo(flat)
+    assert h_flat > 2.1, h_flat
+    assert h_local < 0.85 * h_flat, (h_local, h_flat)
+    assert abs(homophily_local - homophily_flat) < 0.05
+    by_id = torch.div(torch.arange(n), n // 4, rounding_mode="floor").clamp_(max=3)
+    assert partition_stats(local.edge_index, by_id, 4)["edge_cut_fraction"] > 0.7

@@ -71,3 +71,39 @@ def test_state_round_trip_and_abandon() -> None:
 def test_settings_validated(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
         StalenessState(**kwargs)
+
+
+def _encoded(rows: torch.Tensor, bits: int = 1):
+    from lightning_fullgraph.comm.codec import ReceivedRows, encode_rows
+
+    b = torch.full((rows.size(0),), bits, dtype=torch.uint8)
+    enc = encode_rows(rows, b, [rows.size(0)], generator=torch.Generator().manual_seed(0))
+    return ReceivedRows(enc.buffer, b, [rows.size(0)], rows.size(1), torch.float32)
+
+
+def test_encoded_blocks_decode_when_used_blend_and_checkpoint_as_rows() -> None:
+    """A block kept encoded is decoded on use into a fresh tensor equal to ``decode_rows``
+    at receipt; a smoothing average of two encoded blocks is their float blend; the state
+    dict holds plain tensors of the same values.  Negative control: ``halo_rows`` returning
+    the kept object (not a tensor) fails the equality below."""
+    from lightning_fullgraph.comm.codec import decode_rows
+
+    rows = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    block = _encoded(rows)
+    want = decode_rows(block.buffer, block.bits, block.counts, block.row_len)
+    st = StalenessState(staleness=3)
+    pipe = st.layer(0)
+    st.receive_halo(pipe, block, 0, synchronous=True)
+    first, second = st.halo_rows(pipe), st.halo_rows(pipe)
+    assert torch.equal(first, want) and first.data_ptr() != second.data_ptr()
+    st.receive_grad(pipe, block, 0, synchronous=True)
+    assert torch.equal(st.grad_rows(pipe), want)
+    saved = st.state_dict()["layers"][0]
+    assert isinstance(saved["halo"], torch.Tensor) and torch.equal(saved["halo"], want)
+
+    smooth = StalenessState(staleness=3, smoothing=0.5, smooth="features")
+    p = smooth.layer(0)
+    other = _encoded(rows * 2)
+    smooth.receive_halo(p, block, 0, synchronous=True)
+    smooth.receive_halo(p, other, 1, synchronous=False)
+    assert torch.equal(p.halo, 0.5 * want + 0.5 * other.decode())
