@@ -10,7 +10,8 @@ the others are identical on every rank.
                                backward gradients, row metadata included) put on the wire
 ``comm/bytes_recv``            sum: the same, received
 ``comm/onetime_bytes``         sum: bytes of cached transfers (input features, degrees):
-                               the first epoch only, in every mode
+                               the first epoch only; 0 for convs whose first message is a
+                               transform of the features (GCN sends ``lin(x)`` each epoch)
 ``comm/control_bytes``         sum: the policies' control rows (AdaQP's scores, bit-widths)
 ``comm/bits``                  payload bits per value of the per-epoch messages, both
                                directions (32 for fp32; without row metadata)

@@ -122,10 +122,12 @@ class HaloTransport:
         on_range: Callable[[Tensor], None] | None = None,
     ) -> Callable[[], Tensor]:
         """Launches one all-to-all without waiting; the returned closure waits and returns the
-        received rows ``[sum(recv_counts), *rows.shape[1:]]``.  Its attribute ``received``
-        waits instead of it and returns what arrived without decoding it: a
-        :class:`~lightning_fullgraph.comm.codec.ReceivedRows` for a compressed message (for
-        keeping it small), the rows themselves otherwise.  Call one of the two, once.
+        received rows ``[sum(recv_counts), *rows.shape[1:]]``.  For a compressed message the
+        closure has an attribute ``received`` that waits instead of it and returns what
+        arrived without decoding it, a :class:`~lightning_fullgraph.comm.codec.ReceivedRows`
+        (for keeping it small).  Call one of the two, once.  (Neither closure refers to the
+        other's owner: a reference cycle would keep every message buffer alive until the
+        garbage collector runs.)
 
         Args:
             rows: ``[sum(send_counts), *]`` rows, peer-contiguous.
@@ -165,7 +167,6 @@ class HaloTransport:
                 stats.wait_time += time.perf_counter() - t
                 return out
 
-            finish.received = finish  # type: ignore[attr-defined]
             return finish
         send_bits, recv_bits = bits
         row_len = rows.size(1)
