@@ -55,9 +55,9 @@ key buffer (``u * N + v``, ``u < v``) that is sorted and de-duplicated **in plac
 
 bytes (keys; then both directions plus ``edge_index``; then ``x``), i.e. at most about 1.5x
 the finished graph's own size (``edge_index`` + ``x`` + ``y`` + masks) plus ~100 MiB of
-fixed-size chunk temporaries.  Measured: 1.3x at products' size (2.85 GiB graph, 3.66 GiB
-peak above the imports, 47 s on one core), 1.86x at 10^5 nodes where the constant
-dominates; ``tests/unit/test_generated.py`` checks the bound.
+fixed-size chunk temporaries.  Measured (version 2): 1.25x at products' size (2.78 GiB
+graph, 3.5 GiB peak above the imports, 59 s on one core); the constant
+dominates at 10^5 nodes; ``tests/unit/test_generated.py`` checks the bound.
 
 Determinism: only a private :class:`torch.Generator` seeded with ``seed`` is used, chunk
 sizes are constants, and every sort is of distinct keys, so the graph is identical for a
