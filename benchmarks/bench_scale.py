@@ -229,8 +229,13 @@ def train(
 
 def memory_guard(runs: list[dict[str, Any]], conv: str, mode: str, ranks: int, edges: int) -> str | None:
     """A reason not to run a configuration: its ranks' memory (the import baseline plus what is
-    above it, extrapolated linearly in edges from the same configuration at the largest
-    smaller size) would not fit in what the machine has available now (2 GiB to spare)."""
+    above it, extrapolated in edges from the same configuration at the largest smaller size)
+    would not fit in what the machine has available now (2 GiB to spare).
+
+    The extrapolation uses the slope between the two largest smaller sizes on log-log axes
+    (bounded to [0.5, 1]; linear with one size): a rank's memory grows sublinearly here
+    (0.7-0.9 from 10^6 to full size), and a linear guess skipped full-size runs that fit.
+    """
     import psutil
 
     prev = [
@@ -240,14 +245,21 @@ def memory_guard(runs: list[dict[str, Any]], conv: str, mode: str, ranks: int, e
     ]
     if not prev:
         return None
-    last = max(prev, key=lambda r: r["graph_edges"])
-    # the import baseline does not grow with the graph; what is above it grows ~linearly
+    prev.sort(key=lambda r: r["graph_edges"])
+    last = prev[-1]
+    slope = 1.0
+    if len(prev) >= 2:
+        fitted = fit_exponent(
+            [r["graph_edges"] for r in prev[-2:]], [_mem(r, "peak_above_baseline_max") or 0.0 for r in prev[-2:]]
+        )
+        slope = min(1.0, max(0.5, fitted)) if fitted is not None else 1.0
+    # the import baseline does not grow with the graph; what is above it grows as edges^slope
     base = (_mem(last, "peak_rss_max") or 0.0) - (_mem(last, "peak_above_baseline_max") or 0.0)
-    per_rank = base + (_mem(last, "peak_above_baseline_max") or 0.0) * edges / last["graph_edges"]
+    per_rank = base + (_mem(last, "peak_above_baseline_max") or 0.0) * (edges / last["graph_edges"]) ** slope
     available = psutil.virtual_memory().available / 2**20
     if ranks * per_rank + 2048 > available:
         return (
-            f"{ranks} x {per_rank:.0f} MiB (extrapolated from {last['graph_edges']:,} edges) + 2 GiB > "
+            f"{ranks} x {per_rank:.0f} MiB (extrapolated from {last['graph_edges']:,} edges as edges^{slope:.2f}) + 2 GiB > "
             f"{available:.0f} MiB available"
         )
     return None
@@ -297,6 +309,10 @@ def analyse(report: dict[str, Any]) -> dict[str, Any]:
         a = fit_exponent([p[0] for p in pts], [p[1] for p in pts])
         single[conv] = {"points": pts, "exponent": a}
         ex[f"single_process_need/{conv}"] = a
+        # The same compute path in one process (no partition, no halo): how this host's
+        # per-edge cost grows by itself, the reference for the 4-rank epoch exponents.
+        pts = [(r["graph_edges"], r["summary"]["epoch_time"]) for r in runs if r["conv"] == conv and r["ranks"] == 1 and r.get("summary")]
+        ex[f"single_process_epoch_time/{conv}"] = fit_exponent([p[0] for p in pts], [p[1] for p in pts])
     out["single"] = single
 
     def single_need(conv: str, e: int) -> tuple[float | None, bool]:
@@ -422,24 +438,33 @@ def markdown(report: dict[str, Any], png: str | None) -> str:
         "",
         "Epoch time: median of the measured epochs (slowest rank per epoch). Peak: the "
         "largest rank's peak RSS (VmHWM) and the same above its import baseline (torch, Lightning, PyG, "
-        "process group, model). Halo: rows received per exchange by the rank with the most.",
+        "process group, model). Halo: rows received per exchange by the rank with the most. CPU: a "
+        "rank's user + kernel seconds per epoch (mean over ranks; 4 ranks share 2 cores, so an epoch "
+        "takes about twice that); faults: minor page faults per epoch per local edge (fresh pages "
+        "the kernel zeroes for large temporaries; glibc returns allocations above 32 MiB to the kernel "
+        "when they are freed, so only large ranks pay them every epoch).",
         "",
         "| nodes | ranks | conv | mode | epoch s | peak RSS MiB/rank | above baseline MiB | halo rows max | "
-        "wall s | load before |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "CPU s (kernel %) | faults / edge | wall s | load before |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(report["runs"], key=lambda r: (r["nodes"], r["ranks"], r["conv"], r["mode"])):
         s = r.get("summary")
         if not s:
             lines.append(
                 f"| {r['nodes']:,} | {r['ranks']} | {r['conv']} | {r['mode']} | FAILED: "
-                f"{str(r.get('error'))[:120]} | | | | | |"
+                f"{str(r.get('error'))[:120]} | | | | | | | |"
             )
             continue
+        cpu = s.get("cpu") or {}
+        user, kernel, faults = cpu.get("cpu_user"), cpu.get("cpu_sys"), cpu.get("minor_faults")
+        local_edges = (s.get("partition") or {}).get("edges_mean")
+        cpu_cell = f"{user + kernel:.1f} ({100 * kernel / (user + kernel):.0f} %)" if user and kernel else "–"
+        fault_cell = f"{faults / local_edges:.3f}" if faults and local_edges else "–"
         lines.append(
             f"| {r['nodes']:,} | {r['ranks']} | {r['conv']} | {r['mode']} | {s['epoch_time']:.2f} | "
             f"{_mem(r, 'peak_rss_max'):.0f} | {_mem(r, 'peak_above_baseline_max'):.0f} | "
-            f"{_fmt((s.get('partition') or {}).get('halo_max'))} | {r['wall_s']:.0f} | "
+            f"{_fmt((s.get('partition') or {}).get('halo_max'))} | {cpu_cell} | {fault_cell} | {r['wall_s']:.0f} | "
             f"{' '.join(f'{x:.1f}' for x in r['load_before'])} |"
         )
     lines += [

@@ -41,6 +41,7 @@ from lightning_fullgraph.comm.policy import CompressionPolicy, PolicyEnv, make_p
 from lightning_fullgraph.metrics import CommMetricsLogger
 from lightning_fullgraph.nn.adapters import HaloContext, install_adapters, uninstall_adapters
 from lightning_fullgraph.preflight import missing_datamodule_error
+from lightning_fullgraph.validation import all_finite
 
 if TYPE_CHECKING:
     from lightning_fullgraph.partition.plan import LocalPartition
@@ -400,7 +401,7 @@ class FullGraphStrategy(DDPStrategy):
             # keeps sending halo gradients (zeros of its own loss, others' contributions).
             scaled = closure_loss.nan_to_num(0.0) * 0.0
         else:
-            if self.check_finite and not bool(torch.isfinite(closure_loss).all()):
+            if self.check_finite and not all_finite(closure_loss):
                 raise FloatingPointError(
                     f"rank {self.global_rank}: the training loss is {float(closure_loss)} at epoch "
                     f"{self.lightning_module.current_epoch if self.lightning_module else '?'}; every layer "
@@ -446,7 +447,7 @@ class FullGraphStrategy(DDPStrategy):
         for grads in by_dtype.values():
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            if self.check_finite and not bool(torch.isfinite(flat).all()):
+            if self.check_finite and not all_finite(flat):
                 raise FloatingPointError(
                     f"rank {self.global_rank}: the summed weight gradient holds NaN/inf although every "
                     "layer output and loss was finite on this rank; another rank's log names the cause"

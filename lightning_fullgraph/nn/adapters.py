@@ -97,6 +97,7 @@ from lightning_fullgraph.nn.sparse import (
     split_blocks,
     spmm,
 )
+from lightning_fullgraph.validation import all_finite
 
 __all__ = [
     "AdapterHandle",
@@ -277,10 +278,19 @@ class HaloContext:
         """
         if edge_weight is not None and edge_weight.requires_grad:
             return self._gcn_norm(edge_index, edge_weight, improved, add_self_loops, dtype)
+        # The degrees come from their own cache: whichever of gcn_norm, gcn_adjacency and
+        # gcn_split a rank builds first, it exchanges the degrees once, like every other rank.
         return self.cache.get(
             (edge_index, edge_weight),
             ("gcn_norm", improved, add_self_loops, dtype),
-            lambda: self._gcn_norm(edge_index, edge_weight, improved, add_self_loops, dtype),
+            lambda: self._gcn_edges(
+                edge_index,
+                edge_weight,
+                improved,
+                add_self_loops,
+                dtype,
+                self._gcn_degrees(edge_index, edge_weight, improved, add_self_loops, dtype),
+            ),
         )
 
     def _gcn_norm(
@@ -345,6 +355,32 @@ class HaloContext:
             return csr_adjacency(ei, weight, self.num_owned, self.num_full, _csr_dtype_of(dtype))
 
         return self.cache.get((edge_index, edge_weight), ("gcn_csr", improved, add_self_loops, dtype), build)
+
+    def gcn_split(
+        self,
+        edge_index: Tensor,
+        edge_weight: Tensor | None,
+        improved: bool,
+        add_self_loops: bool,
+        dtype: torch.dtype,
+        sparse: bool,
+        csr_dtype: torch.dtype,
+    ) -> SplitBlocks | None:
+        """Cached :meth:`split` of :meth:`gcn_norm`'s edges and weights, for edge weights that
+        need no gradient (or none), keeping no normalised edge list beside the blocks.
+
+        The overlap schedule reads only the blocks; :meth:`gcn_norm`'s cached edge list
+        (20 bytes per edge) would double what the rank holds for its graph.  The blocks are
+        entry for entry those :meth:`split` builds from :meth:`gcn_norm`'s output.
+        """
+
+        def build() -> SplitBlocks | None:
+            deg_inv_sqrt = self._gcn_degrees(edge_index, edge_weight, improved, add_self_loops, dtype)
+            ei, weight = self._gcn_edges(edge_index, edge_weight, improved, add_self_loops, dtype, deg_inv_sqrt)
+            return split_blocks(ei, weight, self.num_owned, self.num_full, sparse, csr_dtype)
+
+        tag = ("gcn_split", improved, add_self_loops, dtype, sparse, csr_dtype if sparse else None)
+        return self.cache.get((edge_index, edge_weight), tag, build)
 
     def _gcn_degrees(
         self, edge_index: Tensor, edge_weight: Tensor | None, improved: bool, add_self_loops: bool, dtype: torch.dtype
@@ -519,15 +555,23 @@ def _gcn(conv: GCNConv, forward, ctx: HaloContext, x: Tensor, edge_index, args: 
             return forward(ctx.exchange(x, score), adj)
         finally:
             conv.normalize = normalize
-    if conv.normalize:
-        edge_index, weight = ctx.gcn_norm(edge_index, edge_weight, conv.improved, conv.add_self_loops, x.dtype)
-    else:
-        weight = edge_weight
-    # The coefficients are the values aggregated below (global-degree normalisation or the
-    # raw weights), cached on the user's tensors and this conv's normalisation options.
-    score = ctx.score(conv, edge_index, weight, rule=rule, sources=sources)
-    sparse = ctx.use_sparse(conv, x, weight)
-    split = ctx.split(edge_index, weight, sparse=sparse, dtype=_csr_dtype(x)) if ctx.overlap else None
+    split = None
+    if conv.normalize and ctx.overlap and (edge_weight is None or not edge_weight.requires_grad):
+        # Overlap keeps only the central/marginal blocks, built from the normalised edges,
+        # which are then dropped (as gcn_adjacency does); the score is rebuilt on demand.
+        sparse = ctx.use_sparse(conv, x, edge_weight)
+        split = ctx.gcn_split(edge_index, edge_weight, conv.improved, conv.add_self_loops, x.dtype, sparse, _csr_dtype(x))
+        score = ctx.gcn_score(edge_index, edge_weight, conv.improved, conv.add_self_loops, x.dtype, rule)
+    if split is None:
+        if conv.normalize:
+            edge_index, weight = ctx.gcn_norm(edge_index, edge_weight, conv.improved, conv.add_self_loops, x.dtype)
+        else:
+            weight = edge_weight
+        # The coefficients are the values aggregated below (global-degree normalisation or the
+        # raw weights), cached on the user's tensors and this conv's normalisation options.
+        score = ctx.score(conv, edge_index, weight, rule=rule, sources=sources)
+        sparse = ctx.use_sparse(conv, x, weight)
+        split = ctx.split(edge_index, weight, sparse=sparse, dtype=_csr_dtype(x)) if ctx.overlap else None
     if split is not None:
         # out = A_hat (X W) + b, computed as central rows (owned sources only) while the halo
         # is in flight, then marginal rows; lin is applied once per row.
@@ -921,7 +965,7 @@ def _make_message_and_aggregate(conv: MessagePassing, own: Callable[..., Any], c
 
 def _check_finite(out: Any, name: str, conv: nn.Module, ctx: HaloContext) -> None:
     value = out[0] if isinstance(out, tuple) else out
-    if isinstance(value, Tensor) and not bool(torch.isfinite(value).all()):
+    if isinstance(value, Tensor) and not all_finite(value):
         bad = int((~torch.isfinite(value)).any(dim=-1).sum()) if value.dim() > 1 else int((~torch.isfinite(value)).sum())
         raise FloatingPointError(
             f"rank {ctx.exchanger.plan.rank}: layer '{name}' ({type(conv).__name__}) produced non-finite values "

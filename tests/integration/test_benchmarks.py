@@ -279,3 +279,28 @@ def test_peer_edge_index_and_sparse_logits_match() -> None:
             a = models[0](x, inputs[0])
             for m, g in zip(models[1:], inputs[1:]):  # sparse-cached: reuses its cached normalisation
                 torch.testing.assert_close(m(x, g), a, rtol=1e-4, atol=1e-5)
+
+
+def test_scale_memory_guard_extrapolates_along_the_measured_slope(monkeypatch) -> None:
+    """``--scale`` skips a configuration only if its ranks would not fit: memory above the
+    import baseline is extrapolated along the slope of the two largest smaller sizes (here
+    0.5: 1,000 -> 1,414 MiB when the edges double), so at four times the edges 4 ranks x
+    (364 + 2,828) MiB + 2 GiB fit in 16 GiB available.  Negative control: the former linear
+    extrapolation (4 x (364 + 5,657) MiB + 2 GiB > 16 GiB) skips it and fails; the second
+    assertion (the same need against 12 GiB is refused) fails if the guard never skips."""
+    import types
+
+    scale = _load("bench_scale")
+
+    def run(edges: int, above: float) -> dict:
+        memory = {"peak_rss_max": 364.0 + above, "peak_above_baseline_max": above}
+        return {"conv": "gcn", "mode": "exact", "ranks": 4, "graph_edges": edges, "summary": {"memory": memory}}
+
+    runs = [run(10**6, 1000.0), run(2 * 10**6, 1000.0 * 2**0.5)]
+    available = {"mib": 16 * 1024}
+    fake = types.SimpleNamespace(virtual_memory=lambda: types.SimpleNamespace(available=available["mib"] * 2**20))
+    monkeypatch.setitem(sys.modules, "psutil", fake)
+    assert scale.memory_guard(runs, "gcn", "exact", 4, 8 * 10**6) is None
+    available["mib"] = 12 * 1024
+    reason = scale.memory_guard(runs, "gcn", "exact", 4, 8 * 10**6)
+    assert reason is not None and "edges^0.50" in reason

@@ -83,9 +83,9 @@ def _held_bytes(obj: Any, seen: set[tuple[int, int]], visited: set[int]) -> int:
     return total + sum(_held_bytes(v, seen, visited) for v in getattr(obj, "__dict__", {}).values())
 
 
-def _train_step(kind: str) -> tuple[HaloContext, Tensor]:
+def _train_step(kind: str, overlap: bool = False) -> tuple[HaloContext, Tensor]:
     torch.manual_seed(0)
-    ctx = HaloContext(_Exchanger())
+    ctx = HaloContext(_Exchanger(), overlap=overlap)
     make = GCNConv if kind == "gcn" else SAGEConv
     convs = nn.ModuleList([make(16, 32), make(32, 8)])
     install_adapters(convs, ctx)
@@ -96,6 +96,7 @@ def _train_step(kind: str) -> tuple[HaloContext, Tensor]:
     return ctx, edge_index
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 @pytest.mark.parametrize(
     ("kind", "per_edge"),
     [
@@ -105,12 +106,14 @@ def _train_step(kind: str) -> tuple[HaloContext, Tensor]:
         ("sage", 20),
     ],
 )
-def test_cached_structures_stay_under_a_per_edge_budget(kind: str, per_edge: int) -> None:
+def test_cached_structures_stay_under_a_per_edge_budget(kind: str, per_edge: int, overlap: bool) -> None:
     """After one forward and backward the context's cache holds at most ``per_edge`` bytes per
-    local edge plus 48 bytes per row.  Negative control: the previous layout (int64 CSR
+    local edge plus 48 bytes per row, with or without overlap (whose central and marginal
+    blocks together hold every edge once).  Negative controls: the previous layout (int64 CSR
     indices; for GCN also the cached normalised ``[2, E']`` edge list and ``[E']`` weights)
-    holds 44 (GCN) / 28 (SAGE) bytes per edge and fails."""
-    ctx, edge_index = _train_step(kind)
+    holds 44 (GCN) / 28 (SAGE) bytes per edge and fails; so does GCN with overlap caching
+    ``gcn_norm``'s edge list next to its blocks (36 bytes per edge)."""
+    ctx, edge_index = _train_step(kind, overlap)
     held = _held_bytes(ctx.cache._entries, set(), set())
     rows = NUM_OWNED + NUM_HALO
     edges = edge_index.size(1) + NUM_OWNED  # self-loops (GCN) at most
@@ -135,3 +138,37 @@ def test_gcn_sparse_path_keeps_no_edge_list_and_matches_the_edge_list_build() ->
         for t in value if isinstance(value, tuple) else (value,):
             if isinstance(t, Tensor) and t.layout == torch.strided:
                 assert t.numel() < edge_index.size(1), f"an edge-sized tensor {tuple(t.shape)} is cached"
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["csr", "edges"])
+def test_gcn_overlap_blocks_match_the_split_of_the_normalised_edges(sparse: bool) -> None:
+    """``gcn_split``'s central/marginal blocks are entry for entry ``split`` of ``gcn_norm``'s
+    edge list (what the overlap path built before it stopped caching that list), and a GCN
+    layer with overlap gives the same output as without.  Negative control: building the
+    blocks from the raw (unnormalised) edges fails the value comparison."""
+    edge_index = _graph()
+    ctx = HaloContext(_Exchanger(), overlap=True)
+    got = ctx.gcn_split(edge_index, None, False, True, torch.float32, sparse, torch.float32)
+    reference = HaloContext(_Exchanger())
+    ei, w = reference.gcn_norm(edge_index, None, False, True, torch.float32)
+    want = reference.split(ei, w, sparse=sparse, dtype=torch.float32)
+    assert got is not None and want is not None
+    assert torch.equal(got.central, want.central) and torch.equal(got.marginal, want.marginal)
+    for a, b in ((got.central_block, want.central_block), (got.marginal_block, want.marginal_block)):
+        if sparse:
+            for part in ("crow_indices", "col_indices", "values"):
+                assert torch.equal(getattr(a, part)(), getattr(b, part)())
+        else:
+            assert torch.equal(a, b)
+    if not sparse:
+        assert torch.equal(got.central_weight, want.central_weight)
+        assert torch.equal(got.marginal_weight, want.marginal_weight)
+    torch.manual_seed(0)
+    conv = GCNConv(16, 8)
+    x = torch.randn(NUM_OWNED, 16)
+    outs = []
+    for overlap in (False, True):
+        layer = HaloContext(_Exchanger(), overlap=overlap)
+        with install_adapters(conv, layer):
+            outs.append(conv(x, edge_index))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)

@@ -10,7 +10,7 @@ import torch
 from torch_geometric.data import Data
 
 from lightning_fullgraph.partition.cache import graph_fingerprint
-from lightning_fullgraph.validation import GraphValidationError, validate_graph
+from lightning_fullgraph.validation import GraphValidationError, all_finite, validate_graph
 
 N = 10  # nodes of the base graph
 E = 24  # edges of the base graph
@@ -38,6 +38,55 @@ def make_graph(**overrides: object) -> Data:
 def raises(data: Data, match: str, **kwargs: object) -> None:
     with pytest.raises(GraphValidationError, match=match):
         validate_graph(data, **kwargs)
+
+
+# --------------------------------------------------------------------------- all_finite
+
+
+def _with(value: float, at: int = 5, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    t = torch.randn(64, 8).to(dtype)
+    t.view(-1)[at] = value
+    return t
+
+
+@pytest.mark.parametrize(
+    "t",
+    [
+        torch.randn(64, 8),
+        _with(float("nan")),
+        _with(float("inf")),
+        _with(float("-inf")),
+        torch.tensor([float("inf"), float("-inf"), 1.0]),  # the sum is NaN, not inf
+        torch.full((64, 8), 3.0e38),  # finite, but the float32 sum overflows to inf
+        torch.full((16,), 6.0e4, dtype=torch.float16),  # the same in half precision
+        torch.full((4,), 1.0e308, dtype=torch.float64).clone().index_fill_(0, torch.tensor([3]), float("nan")),
+        _with(float("nan"), dtype=torch.bfloat16),
+        _with(float("inf"), at=0, dtype=torch.float64),
+        torch.randn(0, 8),
+        torch.arange(10),
+        torch.ones(3, dtype=torch.bool),
+    ],
+)
+def test_all_finite_agrees_with_isfinite(t: torch.Tensor) -> None:
+    """``all_finite`` answers what ``torch.isfinite(t).all()`` answers, including the cases
+    the sum shortcut could get wrong: inf and -inf cancelling to NaN, and finite values whose
+    sum overflows.  Negative control: returning ``bool(torch.isfinite(t.sum()))`` alone fails
+    both overflow cases."""
+    assert all_finite(t) == bool(torch.isfinite(t).all())
+
+
+def test_all_finite_allocates_no_tensor_of_the_input_size() -> None:
+    """The check every conv output passes through once per step reads its input once and
+    allocates nothing of its size (``isfinite(t).all()`` allocates ``|t|`` and three bool
+    masks: 9 ns/element and fresh pages every call).  Negative control: implementing
+    ``all_finite`` as ``bool(torch.isfinite(t).all())`` fails (largest allocation = ``t``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    t = torch.randn(4096, 128)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        assert all_finite(t)
+    largest = max((e.cpu_memory_usage for e in prof.events()), default=0)
+    assert largest < t.numel() // 64, f"all_finite allocated {largest} bytes for a {t.nbytes}-byte input"
 
 
 # --------------------------------------------------------------------------- valid graphs
