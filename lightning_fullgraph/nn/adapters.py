@@ -278,20 +278,23 @@ class HaloContext:
         """
         if edge_weight is not None and edge_weight.requires_grad:
             return self._gcn_norm(edge_index, edge_weight, improved, add_self_loops, dtype)
-        # The degrees come from their own cache: whichever of gcn_norm, gcn_adjacency and
-        # gcn_split a rank builds first, it exchanges the degrees once, like every other rank.
         return self.cache.get(
             (edge_index, edge_weight),
             ("gcn_norm", improved, add_self_loops, dtype),
-            lambda: self._gcn_edges(
-                edge_index,
-                edge_weight,
-                improved,
-                add_self_loops,
-                dtype,
-                self._gcn_degrees(edge_index, edge_weight, improved, add_self_loops, dtype),
-            ),
+            lambda: self._gcn_normalised(edge_index, edge_weight, improved, add_self_loops, dtype),
         )
+
+    def _gcn_normalised(
+        self, edge_index: Tensor, edge_weight: Tensor | None, improved: bool, add_self_loops: bool, dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor]:
+        """:meth:`gcn_norm`'s edges and weights, built afresh from the cached degrees.
+
+        The degrees have their own cache: whichever of :meth:`gcn_norm`,
+        :meth:`gcn_adjacency`, :meth:`gcn_split` and :meth:`gcn_score` a rank builds first,
+        it exchanges the degrees once, like every other rank.
+        """
+        deg_inv_sqrt = self._gcn_degrees(edge_index, edge_weight, improved, add_self_loops, dtype)
+        return self._gcn_edges(edge_index, edge_weight, improved, add_self_loops, dtype, deg_inv_sqrt)
 
     def _gcn_norm(
         self, edge_index: Tensor, edge_weight: Tensor | None, improved: bool, add_self_loops: bool, dtype: torch.dtype
@@ -350,8 +353,7 @@ class HaloContext:
         is entry for entry the one :meth:`adjacency` builds from :meth:`gcn_norm`'s output.
         """
         def build() -> Tensor:
-            deg_inv_sqrt = self._gcn_degrees(edge_index, edge_weight, improved, add_self_loops, dtype)
-            ei, weight = self._gcn_edges(edge_index, edge_weight, improved, add_self_loops, dtype, deg_inv_sqrt)
+            ei, weight = self._gcn_normalised(edge_index, edge_weight, improved, add_self_loops, dtype)
             return csr_adjacency(ei, weight, self.num_owned, self.num_full, _csr_dtype_of(dtype))
 
         return self.cache.get((edge_index, edge_weight), ("gcn_csr", improved, add_self_loops, dtype), build)
@@ -375,8 +377,7 @@ class HaloContext:
         """
 
         def build() -> SplitBlocks | None:
-            deg_inv_sqrt = self._gcn_degrees(edge_index, edge_weight, improved, add_self_loops, dtype)
-            ei, weight = self._gcn_edges(edge_index, edge_weight, improved, add_self_loops, dtype, deg_inv_sqrt)
+            ei, weight = self._gcn_normalised(edge_index, edge_weight, improved, add_self_loops, dtype)
             return split_blocks(ei, weight, self.num_owned, self.num_full, sparse, csr_dtype)
 
         tag = ("gcn_split", improved, add_self_loops, dtype, sparse, csr_dtype if sparse else None)
@@ -409,8 +410,7 @@ class HaloContext:
 
         def build() -> Tensor:
             # A cache hit: gcn_adjacency ran first and its sources are alive (held here).
-            deg_inv_sqrt = self._gcn_degrees(edge_index, edge_weight, improved, add_self_loops, dtype)
-            ei, weight = self._gcn_edges(edge_index, edge_weight, improved, add_self_loops, dtype, deg_inv_sqrt)
+            ei, weight = self._gcn_normalised(edge_index, edge_weight, improved, add_self_loops, dtype)
             return halo_scores(ei, weight, rule, num_owned, num_halo)
 
         def score() -> Tensor:
