@@ -57,7 +57,9 @@ CHECKPOINT_KEY = "fullgraph_policy"
 #: Lightning's default ``log_every_n_steps`` (lowered to 1: one step per epoch here).
 _LIGHTNING_DEFAULT_LOG_EVERY = 50
 #: Manifest fields that identify a run's partitions (recorded in checkpoints).
-PARTITION_KEYS = ("fingerprint", "method", "balance", "num_parts", "seed")
+# What identifies the rows a rank holds; format_version too: the on-disk layout decides the
+# order of a rank's owned and halo rows, which Sylvie's stale buffers are laid out in.
+PARTITION_KEYS = ("fingerprint", "method", "balance", "num_parts", "seed", "format_version")
 LOSS_WEIGHTINGS = ("train_mask", "mean", "sum")
 
 

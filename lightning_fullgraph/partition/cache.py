@@ -87,7 +87,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# 2: owned nodes and each owner's halo in locality order (partition/plan.py), not ascending
+# global id; a version-1 folder is rebuilt, never read with the other layout.
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 LOCK_TIMEOUT_ENV = "LIGHTNING_FULLGRAPH_CACHE_LOCK_TIMEOUT"
 DEFAULT_LOCK_TIMEOUT = 2 * 3600.0

@@ -6,14 +6,24 @@ owned nodes followed by its *halo*: the in-neighbours owned by other ranks.
 
 Local node ids of rank ``r`` are laid out as::
 
-    [0, num_owned)                      owned nodes, ascending global id
+    [0, num_owned)                      owned nodes, in locality order (below)
     [num_owned, num_owned + num_halo)   halo nodes, grouped by owner rank (ascending),
-                                        ascending global id inside a group
+                                        in first-touch order inside a group
 
 so the halo block is exactly the output of an ``all_to_all`` whose receive splits are the
 per-owner halo counts.  Rank ``q`` sends to rank ``r`` the rows ``send_index`` of its own
-owned block that ``r`` holds as halo, in ``r``'s order (ascending global id), which is what
-makes a single ``all_to_all_single`` call fill the halo block in place.
+owned block that ``r`` holds as halo, in ``r``'s order, which is what makes a single
+``all_to_all_single`` call fill the halo block in place.  ``n_id`` and ``halo_n_id`` map
+local ids back to global ids.
+
+Locality order (``node_order="locality"``, the default): the owned nodes are numbered in the
+reverse Cuthill-McKee order of the part's owned-to-owned edges (made undirected), and the
+halo nodes of one owner by the smallest local id of an owned node they point to (ties by
+global id).  Neighbouring rows then sit close together in memory, so the gathers of a sparse
+aggregation ``out[i] = sum_j A[i, j] x[j]`` hit cache far more often than with the graph's
+own numbering: measured 22-25 % less time per ``torch.sparse.mm`` on a 10^6-node
+products-like graph's part (``benchmarks/bench_locality.py``).  ``node_order="global"`` keeps the
+owned nodes and each owner's halo in ascending global id.
 
 Every edge ``src -> dst`` of the global graph appears exactly once, in the local graph of the
 rank owning ``dst`` (original relative order kept), so aggregation over in-neighbours is
@@ -25,19 +35,25 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch_geometric.data import Data
 
 __all__ = [
+    "NODE_ORDERS",
     "HaloPlan",
     "LocalPartition",
     "PartitionPlanner",
     "build_local_partitions",
     "iter_local_partitions",
+    "locality_order",
 ]
+
+NodeOrder = Literal["locality", "global"]
+NODE_ORDERS: tuple[str, ...] = ("locality", "global")
 
 
 @dataclass
@@ -151,7 +167,52 @@ def _local_ids(parts: Tensor, num_parts: int) -> tuple[Tensor, Tensor]:
     return local_id, sizes
 
 
-def build_local_partitions(data: Data, parts: Tensor, num_parts: int) -> list[LocalPartition]:
+# scipy's reverse Cuthill-McKee takes int32 CSR indices only.
+_INT32_MAX = 2**31 - 1
+
+
+def locality_order(src: Tensor, dst: Tensor, num_nodes: int) -> Tensor:
+    r"""A numbering of ``num_nodes`` nodes that puts neighbours close together.
+
+    The reverse Cuthill-McKee order (scipy's) of the undirected graph with edges
+    ``src[k] -- dst[k]``: a breadth-first order from a low-degree node, children by ascending
+    degree, reversed.  It keeps the bandwidth ``max |pos(u) - pos(v)|`` over edges small, so
+    the rows a sparse product gathers for one output row are near each other in memory.
+    Deterministic: the same edges in the same order give the same permutation.
+
+    Args:
+        src: ``[E]`` int64 node ids in ``[0, num_nodes)``.
+        dst: ``[E]`` int64 node ids in ``[0, num_nodes)``.
+        num_nodes: Number of nodes (isolated ones included).
+
+    Returns:
+        ``order [num_nodes]`` int64, a permutation: ``order[k]`` is the node placed at position
+        ``k``.  The identity when ``2 E`` exceeds int32 (scipy's index type).
+    """
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import reverse_cuthill_mckee
+
+    num_edges = src.numel()
+    if num_nodes == 0 or num_edges == 0 or 2 * num_edges > _INT32_MAX or num_nodes > _INT32_MAX:
+        return torch.arange(num_nodes)
+    # Both directions, grouped by row: a CSR built directly (no scipy COO, which would add
+    # an int64 copy and a value array summed over duplicates).  Duplicates are harmless to a
+    # breadth-first search.
+    rows = torch.cat([dst, src])
+    perm = torch.argsort(rows, stable=True)
+    cols = torch.cat([src, dst])[perm].to(torch.int32)
+    indptr = torch.zeros(num_nodes + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(torch.bincount(rows, minlength=num_nodes), 0).to(torch.int32)
+    del rows, perm
+    ones = np.ones(cols.numel(), dtype=np.int8)
+    adj = csr_matrix((ones, cols.numpy(), indptr.numpy()), shape=(num_nodes, num_nodes), copy=False)
+    order = reverse_cuthill_mckee(adj, symmetric_mode=True)
+    return torch.from_numpy(np.asarray(order, dtype=np.int64))
+
+
+def build_local_partitions(
+    data: Data, parts: Tensor, num_parts: int, node_order: NodeOrder = "locality"
+) -> list[LocalPartition]:
     """Splits a global graph into one :class:`LocalPartition` per part.
 
     Vectorised over nodes and edges (one Python iteration per part).  Node-level attributes
@@ -163,21 +224,25 @@ def build_local_partitions(data: Data, parts: Tensor, num_parts: int) -> list[Lo
         data: The global graph; ``edge_index[0]`` are sources, ``edge_index[1]`` destinations.
         parts: ``[N]`` int64 owner rank of every node, values in ``[0, num_parts)``.
         num_parts: Number of parts (ranks).
+        node_order: ``"locality"`` (default) or ``"global"``: the local numbering, see the
+            module docstring.
 
     Returns:
         ``num_parts`` partitions, index ``r`` for rank ``r``.
     """
-    plans = PartitionPlanner(data, parts, num_parts)
+    plans = PartitionPlanner(data, parts, num_parts, node_order=node_order)
     return [plans.part(r) for r in range(num_parts)]
 
 
-def iter_local_partitions(data: Data, parts: Tensor, num_parts: int) -> Iterator[LocalPartition]:
+def iter_local_partitions(
+    data: Data, parts: Tensor, num_parts: int, node_order: NodeOrder = "locality"
+) -> Iterator[LocalPartition]:
     """The partitions of :func:`build_local_partitions`, built one at a time (rank order).
 
     Only one part's local graph exists at a time, so a caller that writes and drops each
     part holds about ``E / P`` local edges instead of ``E``.
     """
-    plans = PartitionPlanner(data, parts, num_parts)
+    plans = PartitionPlanner(data, parts, num_parts, node_order=node_order)
     for r in range(num_parts):
         yield plans.part(r)
 
@@ -185,27 +250,40 @@ def iter_local_partitions(data: Data, parts: Tensor, num_parts: int) -> Iterator
 class PartitionPlanner:
     """Builds the parts of a global graph one at a time, in bounded memory.
 
-    The constructor makes one pass over the edges per part to find every part's halo (the
-    send lists of a part depend on the halos of all the others); :meth:`part` then builds
-    that part's local graph.  Memory beyond the global graph: the destination owner of every
-    edge as ``int8``/``int16`` (``E`` or ``2 E`` bytes), the halos (``O(sum H_r)``), and per
-    call one part's edges (a few ``[E_r]`` int64 temporaries).  No ``[E]`` int64 temporary
-    and no per-part boolean mask over all ``E`` edges that outlives its pass is kept.
+    The constructor makes one pass over the edges per part to number its owned nodes and to
+    find its halo (the send lists of a part depend on the numbering and the halos of all the
+    others); :meth:`part` then builds that part's local graph.  Memory beyond the global
+    graph: the destination owner of every edge as ``int8``/``int16`` (``E`` or ``2 E``
+    bytes), the local id of every node (``8 N`` bytes), the halos (``O(sum H_r)``), and per
+    part one part's edges (a few ``[E_r]`` int64 temporaries; the locality order adds an
+    int32 CSR of the part's owned-to-owned edges in both directions).  No ``[E]`` int64
+    temporary and no per-part boolean mask over all ``E`` edges that outlives its pass is
+    kept.
+
+    Args:
+        data: The global graph.
+        parts: ``[N]`` owner rank of every node.
+        num_parts: Number of parts.
+        node_order: ``"locality"`` or ``"global"``, see the module docstring.
 
     Attributes:
         num_edges_per_part: ``[P]`` edges whose destination each part owns.
         num_owned: ``[P]`` nodes each part owns.
-        halos: Global ids of each part's halo, grouped by owner rank, ascending inside.
+        local_id: ``[N]`` every node's local id in its owner's block.
+        halos: Global ids of each part's halo, grouped by owner rank, in the part's order.
     """
 
-    def __init__(self, data: Data, parts: Tensor, num_parts: int) -> None:
+    def __init__(self, data: Data, parts: Tensor, num_parts: int, node_order: NodeOrder = "locality") -> None:
         num_nodes = int(data.num_nodes)
         parts = parts.to(torch.long).cpu()
         if parts.shape != (num_nodes,):
             raise ValueError(f"`parts` must have shape [{num_nodes}], got {list(parts.shape)}")
+        if node_order not in NODE_ORDERS:
+            raise ValueError(f"`node_order` must be one of {NODE_ORDERS}, got {node_order!r}")
         self.data = data
         self.num_parts = num_parts
         self.num_nodes = num_nodes
+        self.node_order = node_order
         self.parts = parts
         edge_index = data.edge_index
         if edge_index.dtype != torch.long:
@@ -225,12 +303,30 @@ class PartitionPlanner:
         for r in range(num_parts):
             e = self._edges_of(r)
             s = self.src[e]
+            d = self.dst[e] if node_order == "locality" else None
             del e
             owner = self.parts[s]
             remote = owner != r
+            if d is not None:
+                self._number_owned(r, s[~remote], d[~remote])
             # Sorting by (owner, global id) gives the all_to_all receive layout directly.
-            keys = torch.unique(owner[remote] * num_nodes + s[remote])
-            del s, owner, remote
+            remote_keys = owner[remote] * num_nodes + s[remote]
+            del s, owner
+            if d is None:
+                keys, inverse = torch.unique(remote_keys), None
+            else:
+                keys, inverse = torch.unique(remote_keys, return_inverse=True)
+            del remote_keys
+            if d is not None and keys.numel():
+                # First touch: the smallest local id of an owned node each halo row feeds.
+                first = torch.full((keys.numel(),), int(sizes[r]), dtype=torch.long)
+                first.scatter_reduce_(0, inverse, self.local_id[d[remote]], reduce="amin")
+                order = torch.argsort(first, stable=True)  # ties keep ascending global id
+                del first
+                order = order[torch.argsort(keys[order] // num_nodes, stable=True)]
+                keys = keys[order]
+                del order
+            del d, remote, inverse
             self.halos.append(keys % num_nodes)
             self._halo_counts.append(torch.bincount(keys // num_nodes, minlength=num_parts))
         # send lists: rank q sends to rank r the halo rows of r owned by q, in r's order.
@@ -239,6 +335,15 @@ class PartitionPlanner:
             chunks = torch.split(self.halos[r], self._halo_counts[r].tolist())
             for q in range(num_parts):
                 self._send[q].append(self.local_id[chunks[q]])
+
+    def _number_owned(self, r: int, src: Tensor, dst: Tensor) -> None:
+        """Renumbers part ``r``'s owned nodes in :func:`locality_order` of their edges."""
+        owned = self._owned_ascending(r)  # local_id[owned] is still 0..n-1 here
+        order = locality_order(self.local_id[src], self.local_id[dst], owned.numel())
+        self.local_id[owned[order]] = torch.arange(owned.numel())
+
+    def _owned_ascending(self, r: int) -> Tensor:
+        return (self.parts == r).nonzero().flatten()
 
     def _count_edges(self) -> Tensor:
         counts = torch.zeros(self.num_parts, dtype=torch.long)
@@ -259,34 +364,40 @@ class PartitionPlanner:
         owner = self.parts[s]
         remote = owner != r
         n_owned = int(self.num_owned[r])
-        keys = self.halos[r]  # sorted by (owner, global id): search that composite key
+        # The halo is grouped by owner but not sorted by global id inside a group (first-touch
+        # order): search the sorted (owner, global id) keys, then map to halo positions.
+        halo = self.halos[r]
+        halo_keys, halo_pos = torch.sort(self.parts[halo] * num_nodes + halo)
         s_local = torch.empty_like(s)
         local_mask = ~remote
         s_local[local_mask] = self.local_id[s[local_mask]]
-        halo_keys = self.parts[keys] * num_nodes + keys
-        s_local[remote] = n_owned + torch.searchsorted(halo_keys, owner[remote] * num_nodes + s[remote])
-        del owner, local_mask, halo_keys
+        found = torch.searchsorted(halo_keys, owner[remote] * num_nodes + s[remote])
+        s_local[remote] = n_owned + halo_pos[found]
+        del owner, local_mask, halo_keys, halo_pos, found
         d_local = self.local_id[d]
         marginal = torch.zeros(n_owned, dtype=torch.bool)
         marginal[d_local[remote]] = True
         del remote, d
         local = Data(edge_index=torch.stack([s_local, d_local]))
         del s_local, d_local, s
-        owned = (self.parts == r).nonzero().flatten()
+        ascending = self._owned_ascending(r)
+        owned = torch.empty_like(ascending)
+        owned[self.local_id[ascending]] = ascending  # local id -> global id
+        del ascending
         for k in self.node_keys:
             local[k] = self.data[k][owned]
         for k in self.edge_keys:
             local[k] = self.data[k][e]
         del e
         local.n_id = owned
-        local.halo_n_id = self.halos[r]
+        local.halo_n_id = halo
         local.num_nodes = owned.numel()
         send = self._send[r]
         plan = HaloPlan(
             rank=r,
             world_size=num_parts,
             num_owned=owned.numel(),
-            num_halo=self.halos[r].numel(),
+            num_halo=halo.numel(),
             send_index=torch.cat(send) if send else torch.zeros(0, dtype=torch.long),
             send_counts=[int(t.numel()) for t in send],
             recv_counts=[int(c) for c in self._halo_counts[r].tolist()],

@@ -304,3 +304,23 @@ def test_scale_memory_guard_extrapolates_along_the_measured_slope(monkeypatch) -
     available["mib"] = 12 * 1024
     reason = scale.memory_guard(runs, "gcn", "exact", 4, 8 * 10**6)
     assert reason is not None and "edges^0.50" in reason
+
+
+@pytest.mark.timeout(120)
+def test_locality_benchmark_compares_both_orders_on_the_same_part(tmp_path) -> None:
+    """``bench_locality.py`` times the same part (same METIS assignment) in both row orders:
+    identical owned/halo/edge counts, and the locality planner's extra cost is reported.
+    Negative control: building the second plan from a fresh partition (another seed) gives
+    other counts and fails the equality."""
+    out = tmp_path / "locality.json"
+    proc = subprocess.run(
+        [sys.executable, str(RUN.parent / "bench_locality.py"), "--nodes", "5000", "--repeats", "1",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=110,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())["results"]
+    assert set(report) == {"global", "locality"}
+    for key in ("owned", "halo", "edges"):
+        assert report["global"][key] == report["locality"][key] > 0
+    assert "locality / global: forward" in proc.stdout

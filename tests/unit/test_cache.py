@@ -186,7 +186,9 @@ def test_datamodule_single_process_uses_the_cache(tmp_path) -> None:
     dm.setup("fit")
     assert dm.partition_result is not None and dm.partition_result.rebuilt
     batch = next(iter(dm.train_dataloader()))
-    assert torch.equal(batch.x, data.x) and batch.edge_index.size(1) == data.edge_index.size(1)
+    # one part holds every node, in the plan's locality order: n_id maps rows back
+    assert torch.equal(batch.n_id.sort().values, torch.arange(data.num_nodes))
+    assert torch.equal(batch.x, data.x[batch.n_id]) and batch.edge_index.size(1) == data.edge_index.size(1)
     assert dm.num_features == data.x.size(1) and dm.num_classes == int(data.y.max()) + 1
     dm2 = FullGraphDataModule(data, cache_dir=tmp_path)
     dm2.setup("fit")
