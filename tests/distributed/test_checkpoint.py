@@ -5,6 +5,7 @@ in every mode (stale buffers in flight, smoothing averages, bit-widths and round
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -128,6 +129,29 @@ class _ExpectPolicyState(pl.Callback):
                 assert "compression state" in said[0] and "reset" in said[0]
 
 
+_SYLVIE = {"mode": "sylvie", "staleness": 3}
+
+
+def _sylvie_checkpoint_on_two_ranks(tmp_path) -> Path:
+    """Trains sylvie on 2 ranks and stops after epoch 1 (an asynchronous epoch follows, so
+    the checkpoint holds stale halo buffers); returns ``last.ckpt``."""
+    torch.manual_seed(0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0)
+    cpu_trainer(2, max_epochs=5, callbacks=[ckpt, _StopAfter(1)], enable_checkpointing=True,
+                strategy_kwargs=_SYLVIE).fit(
+        NodeClassifier(conv="sage", num_layers=3),
+        datamodule=FullGraphDataModule(directed_graph(seed=31), cache_dir=tmp_path / "p"))
+    return tmp_path / "ckpt" / "last.ckpt"
+
+
+def _resume_sylvie(world: int, check: pl.Callback, path: Path, tmp_path) -> None:
+    """Resumes ``path`` on ``world`` ranks; ``check`` asserts inside the ranks (a failing rank
+    fails the fit)."""
+    trainer = cpu_trainer(world, max_epochs=5, callbacks=[check], strategy_kwargs=_SYLVIE)
+    trainer.fit(NodeClassifier(conv="sage", num_layers=3),
+                datamodule=FullGraphDataModule(directed_graph(seed=31), cache_dir=tmp_path / "p"), ckpt_path=str(path))
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [2, 3])
 def test_resume_on_another_world_size_resets_the_compression_state(world: int, tmp_path) -> None:
@@ -137,18 +161,8 @@ def test_resume_on_another_world_size_resets_the_compression_state(world: int, t
 
     Negative control: loading the 2-rank buffers into 3 ranks (no world-size check) fails
     deep inside the exchange with a size mismatch (the issue's report)."""
-    data = directed_graph(seed=31)
-    kwargs = {"mode": "sylvie", "staleness": 3}
-    torch.manual_seed(0)
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0)
-    cpu_trainer(2, max_epochs=5, callbacks=[ckpt, _StopAfter(1)], enable_checkpointing=True,
-                strategy_kwargs=kwargs).fit(
-        NodeClassifier(conv="sage", num_layers=3), datamodule=FullGraphDataModule(data, cache_dir=tmp_path / "p"))
-    trainer = cpu_trainer(world, max_epochs=5, callbacks=[_ExpectPolicyState(world == 2, written_by=2)],
-                          strategy_kwargs=kwargs)
-    trainer.fit(NodeClassifier(conv="sage", num_layers=3), datamodule=FullGraphDataModule(data, cache_dir=tmp_path / "p"),
-                ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
-    # (the assertions run inside the ranks; a failing rank fails the fit)
+    path = _sylvie_checkpoint_on_two_ranks(tmp_path)
+    _resume_sylvie(world, _ExpectPolicyState(world == 2, written_by=2), path, tmp_path)
 
 
 @pytest.mark.timeout(240)
@@ -160,19 +174,9 @@ def test_resume_on_another_partition_layout_resets_the_compression_state(tmp_pat
 
     Negative control: without ``format_version`` among the strategy's ``PARTITION_KEYS`` the
     stale halo buffers are restored (rows in the wrong order) and the callback's check fails."""
-    data = directed_graph(seed=31)
-    kwargs = {"mode": "sylvie", "staleness": 3}
-    torch.manual_seed(0)
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0)
-    cpu_trainer(2, max_epochs=5, callbacks=[ckpt, _StopAfter(1)], enable_checkpointing=True,
-                strategy_kwargs=kwargs).fit(
-        NodeClassifier(conv="sage", num_layers=3), datamodule=FullGraphDataModule(data, cache_dir=tmp_path / "p"))
-    path = tmp_path / "ckpt" / "last.ckpt"
+    path = _sylvie_checkpoint_on_two_ranks(tmp_path)
     saved = torch.load(path, weights_only=False)
     assert saved[CHECKPOINT_KEY]["partition"]["format_version"] == FORMAT_VERSION
     saved[CHECKPOINT_KEY]["partition"]["format_version"] = FORMAT_VERSION - 1
     torch.save(saved, path)
-    trainer = cpu_trainer(2, max_epochs=5, callbacks=[_ExpectPolicyState(False, reason="(format_version)")],
-                          strategy_kwargs=kwargs)
-    trainer.fit(NodeClassifier(conv="sage", num_layers=3), datamodule=FullGraphDataModule(data, cache_dir=tmp_path / "p"),
-                ckpt_path=str(path))
+    _resume_sylvie(2, _ExpectPolicyState(False, reason="(format_version)"), path, tmp_path)
