@@ -310,8 +310,8 @@ def test_scale_memory_guard_extrapolates_along_the_measured_slope(monkeypatch) -
 def test_locality_benchmark_compares_both_orders_on_the_same_part(tmp_path) -> None:
     """``bench_locality.py`` times the same part (same METIS assignment) in both row orders:
     identical owned/halo/edge counts, and the locality planner's extra cost is reported.
-    Negative control: building the second plan from a fresh partition (another seed) gives
-    other counts and fails the equality."""
+    Negative control (run once): building the locality plan from another assignment (random
+    parts, seed + 1) gives other counts and fails the equality."""
     out = tmp_path / "locality.json"
     proc = subprocess.run(
         [sys.executable, str(RUN.parent / "bench_locality.py"), "--nodes", "5000", "--repeats", "1",
