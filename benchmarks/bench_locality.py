@@ -4,9 +4,9 @@ The partition plan numbers a rank's owned rows in reverse Cuthill-McKee order an
 rows in first-touch order (``PartitionPlanner(node_order="locality")``, the default) instead
 of by ascending global id (``node_order="global"``).  This script builds both plans from the
 SAME METIS assignment of a generated products-like graph and times, on the largest part, what
-every GCN/SAGE layer runs: ``torch.sparse.mm`` of the cached CSR adjacency ``[N_r, N_r + H_r]``
-(forward) and of its transpose (backward), through the package's own ``csr_adjacency`` /
-``csr_transpose``, one thread, ``--features`` columns.  It also prints what the ordering
+every GCN/SAGE layer runs: the product of the cached CSR adjacency ``[N_r, N_r + H_r]`` with
+the features (forward) and of its transpose with the gradient (backward), through the
+package's own ``csr_adjacency`` / ``csr_transpose`` / ``csr_mm``, one thread, ``--features`` columns.  It also prints what the ordering
 costs in the planner::
 
     python benchmarks/bench_locality.py --nodes 1000000
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from lightning_fullgraph.generated import products_like_graph
-    from lightning_fullgraph.nn.sparse import csr_adjacency, csr_transpose
+    from lightning_fullgraph.nn.sparse import csr_adjacency, csr_mm, csr_transpose
     from lightning_fullgraph.partition.partitioner import partition_graph
     from lightning_fullgraph.partition.plan import NODE_ORDERS, PartitionPlanner
 
@@ -72,13 +72,13 @@ def main(argv: list[str] | None = None) -> int:
         x = torch.randn(n + h, args.features, generator=g)
         grad = torch.randn(n, args.features, generator=g)
         fwd, bwd = [], []
-        torch.sparse.mm(adj, x), torch.sparse.mm(adj_t, grad)  # warm-up
+        csr_mm(adj, x), csr_mm(adj_t, grad)  # warm-up
         for _ in range(args.repeats):
             t = time.perf_counter()
-            torch.sparse.mm(adj, x)
+            csr_mm(adj, x)
             fwd.append(time.perf_counter() - t)
             t = time.perf_counter()
-            torch.sparse.mm(adj_t, grad)
+            csr_mm(adj_t, grad)
             bwd.append(time.perf_counter() - t)
         e = int(part.data.edge_index.size(1))
         results[order] = {
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             "edges": e,
         }
         print(
-            f"{order:>8}: part {rank} ({n:,} owned + {h:,} halo rows, {e:,} edges): sparse.mm forward "
+            f"{order:>8}: part {rank} ({n:,} owned + {h:,} halo rows, {e:,} edges): csr_mm forward "
             f"{statistics.median(fwd):.3f} s ({results[order]['forward_ns_per_edge']:.1f} ns/edge), transpose "
             f"{statistics.median(bwd):.3f} s; planner {plan_s:.1f} s",
             flush=True,

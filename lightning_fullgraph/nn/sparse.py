@@ -31,7 +31,16 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-__all__ = ["DerivedCache", "SplitBlocks", "csr_adjacency", "csr_transpose", "mean_operator", "spmm", "split_blocks"]
+__all__ = [
+    "DerivedCache",
+    "SplitBlocks",
+    "csr_adjacency",
+    "csr_mm",
+    "csr_transpose",
+    "mean_operator",
+    "spmm",
+    "split_blocks",
+]
 
 T = TypeVar("T")
 
@@ -124,11 +133,30 @@ class _SpMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, adj: Tensor, adj_t: Tensor, x: Tensor) -> Tensor:
         ctx.adj_t = adj_t
-        return torch.sparse.mm(adj, x)
+        return csr_mm(adj, x)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[None, None, Tensor]:
-        return None, None, torch.sparse.mm(ctx.adj_t, grad.contiguous())
+        return None, None, csr_mm(ctx.adj_t, grad.contiguous())
+
+
+def csr_mm(adj: Tensor, x: Tensor) -> Tensor:
+    r"""``[D, S] x [S, F] -> [D, F]``: the product ``torch.sparse.mm(adj, x)`` computes, in
+    one fresh output (not differentiable; :func:`spmm` is).
+
+    On CPU ``torch.sparse.mm`` of a CSR matrix allocates a ``[D, F]`` zero matrix, a second
+    ``[D, F]`` result, copies the first into the second and only then runs the product; every
+    ``[D, F]`` matrix of a large rank is a fresh ``mmap`` whose pages the kernel faults in and
+    zeroes.  Here the product writes straight into one uninitialised output
+    (``addmm(out, adj, x, beta=0, out=out)``: with ``beta = 0`` the output's old contents
+    are ignored, NaN included, and rows without entries come out 0), the same kernel with the
+    same summation order, so the result is bitwise the same with half the fresh pages and
+    neither the fill nor the copy.  Other devices keep ``torch.sparse.mm``.
+    """
+    if adj.device.type != "cpu":
+        return torch.sparse.mm(adj, x)
+    out = x.new_empty((adj.size(0), x.size(1)))
+    return torch.addmm(out, adj, x, beta=0, out=out)
 
 
 def spmm(adj: Tensor, adj_t: Tensor, x: Tensor) -> Tensor:
@@ -140,7 +168,7 @@ def spmm(adj: Tensor, adj_t: Tensor, x: Tensor) -> Tensor:
         x: Dense ``[S, F]``.
     """
     if not (x.requires_grad and torch.is_grad_enabled()):
-        return torch.sparse.mm(adj, x)
+        return csr_mm(adj, x)
     return _SpMM.apply(adj, adj_t, x)
 
 

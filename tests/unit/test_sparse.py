@@ -9,6 +9,7 @@ from torch_geometric.utils import scatter
 from lightning_fullgraph.nn.sparse import (
     DerivedCache,
     csr_adjacency,
+    csr_mm,
     csr_transpose,
     mean_operator,
     split_blocks,
@@ -202,3 +203,59 @@ def test_int32_indices_give_the_same_products_as_int64(reduce: str) -> None:
         out.backward(g)
         grads.append((out, xi.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def _allocated_bytes(fn) -> tuple[torch.Tensor, int]:
+    """``fn()`` and the bytes of the CPU allocations it made, as torch's profiler records
+    them: every op's own (``self``) allocations net of its own frees, summed where positive
+    (an op's total would count its children's allocations again)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    return out, sum(e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_csr_mm_is_torch_sparse_mm_bitwise(dtype: torch.dtype) -> None:
+    """:func:`csr_mm` gives exactly ``torch.sparse.mm``'s product for ``A``, ``A^T`` and the
+    mean operator, contiguous or not, rows without entries exactly 0.  The output it writes
+    into is never initialised: torch's ``addmm`` with ``beta = 0`` must ignore what is there,
+    which is checked on an output full of NaN.  Negative control: ``beta=1`` on that output
+    fails (NaN rows), a product in another summation order fails ``torch.equal``."""
+    edge_index, weight, _ = _bipartite(num_edges=2000)
+    adj = csr_adjacency(edge_index, weight.to(dtype), 30, 50, dtype)
+    g = torch.Generator().manual_seed(3)
+    for op in (adj, csr_transpose(adj), mean_operator(adj)):
+        for x in (
+            torch.randn(op.size(1), 9, generator=g, dtype=dtype),
+            torch.randn(9, op.size(1), generator=g, dtype=dtype).t(),
+        ):
+            expected = torch.sparse.mm(op, x)
+            assert torch.equal(csr_mm(op, x), expected)
+            poisoned = torch.full_like(expected, float("nan"))
+            assert torch.equal(torch.addmm(poisoned, op, x, beta=0, out=poisoned), expected)
+    assert not csr_mm(adj, torch.ones(50, 4, dtype=dtype))[-3:].any()  # no in-edge: exact zeros
+
+
+def test_csr_mm_allocates_its_output_once() -> None:
+    """Forward and backward of :func:`spmm` allocate one ``[D, F]`` output and one ``[S, F]``
+    input gradient, nothing else of that size (each is a fresh ``mmap`` of page faults on a
+    large rank).  ``torch.sparse.mm`` is measured alongside: it allocates a zero matrix and a
+    second result.  Negative control: ``csr_mm`` returning ``torch.sparse.mm(adj, x)`` fails
+    the first bound (twice the bytes)."""
+    edge_index, weight, _ = _bipartite(num_dst=3000, num_src=5000, num_edges=20000)
+    adj = csr_adjacency(edge_index, weight.float(), 3000, 5000, torch.float32)
+    adj_t = csr_transpose(adj)
+    x = torch.randn(5000, 64)
+    out_bytes = 3000 * 64 * 4
+    small = 64 * 1024  # bookkeeping allocations are far below one output
+    _, torch_bytes = _allocated_bytes(lambda: torch.sparse.mm(adj, x))
+    assert torch_bytes >= 2 * out_bytes  # what the helper avoids (a fact about torch 2.x)
+    out, ours = _allocated_bytes(lambda: csr_mm(adj, x))
+    assert out_bytes <= ours <= out_bytes + small
+    xg = x.clone().requires_grad_()
+    grad = torch.randn(3000, 64)
+    _, both = _allocated_bytes(lambda: spmm(adj, adj_t, xg).backward(grad))
+    assert both <= out_bytes + 5000 * 64 * 4 + small
+    torch.testing.assert_close(xg.grad, torch.sparse.mm(adj_t, grad))
