@@ -34,7 +34,9 @@ takes its fused ``message_and_aggregate`` path; sum and mean products run with a
 built once for the backward.  Max/min aggregation uses ``torch.sparse.mm(..., reduce)`` (CPU
 only; on CUDA those layers keep the edge list), GAT/GATv2/GINE always keep the edge list, as do
 weights that need a gradient.  With overlap on, the central and marginal rows are two cached
-blocks of the same kind.  ``HaloContext(sparse=False)`` (``FullGraphStrategy(
+blocks of the same kind; SAGE, GIN and GraphConv aggregate both blocks and then run their own
+``forward`` once over all owned rows on the merged aggregation
+(:meth:`HaloContext.hand_over`), so their root term reads the layer input itself.  ``HaloContext(sparse=False)`` (``FullGraphStrategy(
 sparse_aggregation=False)``) keeps PyG's edge path everywhere.
 
 Convs of any other ``MessagePassing`` type raise :class:`UnsupportedConvError` at setup,
@@ -91,6 +93,7 @@ from lightning_fullgraph.comm.exchange import HaloExchanger
 from lightning_fullgraph.nn.sparse import (
     DerivedCache,
     SplitBlocks,
+    _csr,
     csr_adjacency,
     csr_transpose,
     mean_operator,
@@ -136,6 +139,9 @@ class HaloContext:
         self.check_finite = check_finite
         self.sparse = sparse
         self.cache = DerivedCache()
+        # (stand-in CSR, aggregation) between `hand_over` and the conv's message_and_aggregate
+        self._handoff: tuple[Tensor, Tensor] | None = None
+        self._stand_ins: dict[tuple, Tensor] = {}
 
     @property
     def num_owned(self) -> int:
@@ -256,6 +262,39 @@ class HaloContext:
         else:
             return None
         return spmm(op, self.cache.get((op,), "transpose", lambda: csr_transpose(op)), x)
+
+    def hand_over(self, aggregation: Tensor, num_src: int) -> Tensor:
+        """A stand-in adjacency for a conv whose aggregation is already computed.
+
+        Returns an empty ``[N_r, num_src]`` CSR (cached per shape, dtype and device): passed
+        to the conv's own ``forward`` in place of its adjacency, it satisfies PyG's size checks
+        and reaches the patched ``message_and_aggregate``, which returns ``aggregation``
+        (``[N_r, F]``) for it once, instead of aggregating.  Everything else the conv does
+        (projections, root term, normalisation) runs as its own code says, once over all
+        owned rows.
+        """
+        key = (self.num_owned, num_src, aggregation.dtype, aggregation.device)
+        stand_in = self._stand_ins.get(key)
+        if stand_in is None:
+            device = aggregation.device
+            stand_in = _csr(
+                torch.zeros(self.num_owned + 1, dtype=torch.int32, device=device),
+                torch.empty(0, dtype=torch.int32, device=device),
+                torch.empty(0, dtype=aggregation.dtype, device=device),
+                (self.num_owned, num_src),
+            )
+            self._stand_ins = {key: stand_in}
+        self._handoff = (stand_in, aggregation)
+        return stand_in
+
+    def take_aggregation(self, adj_t: Any) -> Tensor | None:
+        """The aggregation :meth:`hand_over` left for ``adj_t``, once; ``None`` for any other
+        adjacency."""
+        handoff = self._handoff
+        if handoff is None or adj_t is not handoff[0]:
+            return None
+        self._handoff = None
+        return handoff[1]
 
     def split(
         self, edge_index: Tensor, weight: Tensor | None = None, sparse: bool = False, dtype: torch.dtype = torch.float32
@@ -503,6 +542,22 @@ def _bipartite(conv, forward, ctx: HaloContext, x: Tensor, edge_index, args: tup
         if not ctx.overlap or (split := ctx.split(edge_index, weight, sparse=True, dtype=_csr_dtype(x))) is None:
             return forward((ctx.exchange(x, score), x), ctx.adjacency(edge_index, weight, _csr_dtype(x)))
         pending = ctx.exchange_async(x, score)
+        if not getattr(conv, "project", False) and getattr(conv, "decomposed_layers", 1) == 1:
+            # Aggregate the central rows while the exchange is in flight and the marginal rows
+            # after it, then run the conv's own forward once over all owned rows with that
+            # aggregation: its root term (lin_r, lin_root, (1 + eps) x) reads `x` itself.  A
+            # forward per block would keep gathered copies x[central], x[marginal] of the layer
+            # input alive for the backward, one more [N_r, F] per layer.
+            # (GraphConv's message_and_aggregate also takes the edge weights: in the CSR values)
+            extra = {"edge_weight": None} if values == "edge_weight" else {}
+            agg_c = conv.message_and_aggregate(split.central_block, (x, None), **extra)
+            x_full = torch.cat([x, pending.wait()], dim=0)
+            agg = split.merge(agg_c, conv.message_and_aggregate(split.marginal_block, (x_full, None), **extra))
+            del agg_c
+            try:
+                return forward((x_full, x), ctx.hand_over(agg, x_full.size(0)))
+            finally:
+                ctx._handoff = None
         out_c = forward((x, x[split.central]), split.central_block)
         x_full = torch.cat([x, pending.wait()], dim=0)
         out_m = forward((x_full, x[split.marginal]), split.marginal_block)
@@ -946,6 +1001,9 @@ def _make_message_and_aggregate(conv: MessagePassing, own: Callable[..., Any], c
     # These convs' own fused step is `spmm(adj_t, x_src, reduce=conv.aggr)`; on the adapters'
     # cached CSR blocks the same product runs with a transpose built once for the backward.
     def message_and_aggregate(adj_t: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+        handed_over = ctx.take_aggregation(adj_t)
+        if handed_over is not None:
+            return handed_over
         if not (isinstance(adj_t, Tensor) and adj_t.layout == torch.sparse_csr):
             return own(adj_t, x, *args, **kwargs)
         src = x[0] if isinstance(x, tuple) else x

@@ -200,11 +200,35 @@ class SplitBlocks:
         self.central_weight, self.marginal_weight = central_weight, marginal_weight
 
     def merge(self, out_central: Tensor, out_marginal: Tensor) -> Tensor:
-        """``[C, *], [M, *] -> [N_r, *]``: the two halves back in owned-node order."""
-        n = self.central.numel() + self.marginal.numel()
-        out = out_central.new_empty((n,) + tuple(out_central.shape[1:]))
-        # central and marginal partition [0, N_r): every row is written exactly once.
-        return out.index_copy(0, self.central, out_central).index_copy(0, self.marginal, out_marginal)
+        """``[C, *], [M, *] -> [N_r, *]``: the two halves back in owned-node order.
+
+        Differentiable in both halves; autograd keeps the two index vectors only (torch's
+        ``index_copy`` would also keep both halves alive until the backward)."""
+        if torch.is_grad_enabled() and (out_central.requires_grad or out_marginal.requires_grad):
+            return _MergeRows.apply(self.central, self.marginal, out_central, out_marginal)
+        return _merge_rows(self.central, self.marginal, out_central, out_marginal)
+
+
+def _merge_rows(central: Tensor, marginal: Tensor, out_central: Tensor, out_marginal: Tensor) -> Tensor:
+    n = central.numel() + marginal.numel()
+    out = out_central.new_empty((n,) + tuple(out_central.shape[1:]))
+    # central and marginal partition [0, N_r): every row is written exactly once.
+    return out.index_copy_(0, central, out_central).index_copy_(0, marginal, out_marginal)
+
+
+class _MergeRows(torch.autograd.Function):
+    """Rows ``central`` from the first half, ``marginal`` from the second; the backward gathers
+    the same rows of the gradient and needs neither half."""
+
+    @staticmethod
+    def forward(ctx: Any, central: Tensor, marginal: Tensor, out_central: Tensor, out_marginal: Tensor) -> Tensor:
+        ctx.save_for_backward(central, marginal)
+        return _merge_rows(central, marginal, out_central, out_marginal)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, Tensor, Tensor]:
+        central, marginal = ctx.saved_tensors
+        return None, None, grad.index_select(0, central), grad.index_select(0, marginal)
 
 
 def split_blocks(
