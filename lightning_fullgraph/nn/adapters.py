@@ -36,8 +36,9 @@ only; on CUDA those layers keep the edge list), GAT/GATv2/GINE always keep the e
 weights that need a gradient.  With overlap on, the central and marginal rows are two cached
 blocks of the same kind; SAGE, GIN and GraphConv aggregate both blocks and then run their own
 ``forward`` once over all owned rows on the merged aggregation
-(:meth:`HaloContext.hand_over`), so their root term reads the layer input itself.  ``HaloContext(sparse=False)`` (``FullGraphStrategy(
-sparse_aggregation=False)``) keeps PyG's edge path everywhere.
+(:meth:`HaloContext.hand_over`), so their root term reads the layer input itself.
+``HaloContext(sparse=False)`` (``FullGraphStrategy(sparse_aggregation=False)``) keeps PyG's
+edge path everywhere.
 
 Convs of any other ``MessagePassing`` type raise :class:`UnsupportedConvError` at setup,
 naming the type; :func:`register_conv_adapter` adds one and returns a
@@ -554,10 +555,11 @@ def _bipartite(conv, forward, ctx: HaloContext, x: Tensor, edge_index, args: tup
             x_full = torch.cat([x, pending.wait()], dim=0)
             agg = split.merge(agg_c, conv.message_and_aggregate(split.marginal_block, (x_full, None), **extra))
             del agg_c
+            stand_in = ctx.hand_over(agg, x_full.size(0))
             try:
-                return forward((x_full, x), ctx.hand_over(agg, x_full.size(0)))
+                return forward((x_full, x), stand_in)
             finally:
-                ctx._handoff = None
+                ctx.take_aggregation(stand_in)  # never left for a later call, even after an error
         out_c = forward((x, x[split.central]), split.central_block)
         x_full = torch.cat([x, pending.wait()], dim=0)
         out_m = forward((x_full, x[split.marginal]), split.marginal_block)
