@@ -142,7 +142,7 @@ class HaloContext:
         self.cache = DerivedCache()
         # (stand-in CSR, aggregation) between `hand_over` and the conv's message_and_aggregate
         self._handoff: tuple[Tensor, Tensor] | None = None
-        self._stand_ins: dict[tuple, Tensor] = {}
+        self._stand_in: tuple[tuple, Tensor] | None = None  # (shape, dtype, device), CSR
 
     @property
     def num_owned(self) -> int:
@@ -267,24 +267,24 @@ class HaloContext:
     def hand_over(self, aggregation: Tensor, num_src: int) -> Tensor:
         """A stand-in adjacency for a conv whose aggregation is already computed.
 
-        Returns an empty ``[N_r, num_src]`` CSR (cached per shape, dtype and device): passed
-        to the conv's own ``forward`` in place of its adjacency, it satisfies PyG's size checks
-        and reaches the patched ``message_and_aggregate``, which returns ``aggregation``
-        (``[N_r, F]``) for it once, instead of aggregating.  Everything else the conv does
+        Returns an empty ``[N_r, num_src]`` CSR (the last one is kept for the same shape, dtype
+        and device): passed to the conv's own ``forward`` in place of its adjacency, it
+        satisfies PyG's size checks and reaches the patched ``message_and_aggregate``, which
+        returns ``aggregation`` (``[N_r, F]``) for it once, instead of aggregating.  Everything else the conv does
         (projections, root term, normalisation) runs as its own code says, once over all
         owned rows.
         """
         key = (self.num_owned, num_src, aggregation.dtype, aggregation.device)
-        stand_in = self._stand_ins.get(key)
-        if stand_in is None:
+        if self._stand_in is None or self._stand_in[0] != key:
             device = aggregation.device
-            stand_in = _csr(
+            csr = _csr(
                 torch.zeros(self.num_owned + 1, dtype=torch.int32, device=device),
                 torch.empty(0, dtype=torch.int32, device=device),
                 torch.empty(0, dtype=aggregation.dtype, device=device),
                 (self.num_owned, num_src),
             )
-            self._stand_ins = {key: stand_in}
+            self._stand_in = (key, csr)
+        stand_in = self._stand_in[1]
         self._handoff = (stand_in, aggregation)
         return stand_in
 

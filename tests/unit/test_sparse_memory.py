@@ -57,6 +57,12 @@ def _graph() -> Tensor:
     return torch.stack([src, dst])
 
 
+def _storage_key(t: Tensor) -> tuple[int, int]:
+    """(address, bytes) of a dense tensor's storage: views of one storage share it."""
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
 def _held_bytes(obj: Any, seen: set[tuple[int, int]], visited: set[int]) -> int:
     """Bytes of every tensor storage reachable from ``obj`` (each storage once)."""
     if isinstance(obj, Tensor):
@@ -65,12 +71,11 @@ def _held_bytes(obj: Any, seen: set[tuple[int, int]], visited: set[int]) -> int:
             return sum(_held_bytes(t, seen, visited) for t in parts)
         if obj.layout != torch.strided:
             raise AssertionError(f"unexpected layout {obj.layout} in the cache")
-        storage = obj.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
+        key = _storage_key(obj)
         if key in seen:
             return 0
         seen.add(key)
-        return storage.nbytes()
+        return key[1]
     if id(obj) in visited:
         return 0
     visited.add(id(obj))
@@ -178,13 +183,13 @@ def _saved_bytes(conv: nn.Module, overlap: bool, x: Tensor, edge_index: Tensor) 
     """Bytes of the distinct storages autograd saves in one forward of ``conv`` (each once;
     the layer input, alive anyway, not counted), its output, and the input's gradient."""
     xi = x.clone().requires_grad_()
-    seen: set[tuple[int, int]] = {(xi.untyped_storage().data_ptr(), xi.untyped_storage().nbytes())}
+    seen: set[tuple[int, int]] = {_storage_key(xi)}
     total = 0
 
     def pack(t: Tensor) -> Tensor:
         nonlocal total
         if t.layout == torch.strided:
-            key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            key = _storage_key(t)
             if key not in seen:
                 seen.add(key)
                 total += key[1]
