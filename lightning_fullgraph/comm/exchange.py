@@ -146,8 +146,13 @@ class HaloExchanger:
         """Sends halo-row gradients home and sums them at the owners: ``[H_r, *] -> [N_r, *]``."""
         return self._add_home(self.launch(grad_halo.contiguous(), layer, "backward")())
 
-    def _add_home(self, recv: Tensor) -> Tensor:
+    def _add_home(self, recv: Tensor, owned: Tensor | None = None) -> Tensor:
+        """``[S, *]`` received gradient rows summed at their owners, ``[N_r, *]``; added to
+        ``owned`` (the owned rows' gradient from the same output, not modified) when given, so
+        the sum is one new tensor rather than a zero-filled one that autograd adds up."""
         plan = self.plan
+        if owned is not None:
+            return torch.index_add(owned, 0, plan.send_index, recv.to(owned.dtype))
         grad = recv.new_zeros((plan.num_owned,) + tuple(recv.shape[1:]))
         return grad.index_add_(0, plan.send_index, recv)
 
@@ -167,7 +172,12 @@ class HaloExchanger:
         rows (fp32): static features cross the wire once.  Inside a training step every other
         exchange is a layer message: numbered by call order, encoded as the policy decides.
         """
-        return torch.cat([x, self._halo(x, exact, score)], dim=0)
+        return self._halo(x, exact, score, full=True)
+
+    def halo(self, x: Tensor, exact: bool = False, score: Callable[[], Tensor] | None = None) -> Tensor:
+        """The halo rows alone, ``[N_r, *] -> [H_r, *]``: what :meth:`exchange` appends to
+        ``x``, through the same path (numbering, encoding, caching, autograd)."""
+        return self._halo(x, exact, score)
 
     def exchange_async(
         self, x: Tensor, exact: bool = False, score: Callable[[], Tensor] | None = None
@@ -203,24 +213,27 @@ class HaloExchanger:
             return layer
         return None
 
-    def _halo(self, x: Tensor, exact: bool, score: Callable[[], Tensor] | None) -> Tensor:
+    def _halo(self, x: Tensor, exact: bool, score: Callable[[], Tensor] | None, full: bool = False) -> Tensor:
+        """The halo rows ``[H_r, *]``, or with ``full`` ``cat(x, halo)`` ``[N_r + H_r, *]``:
+        the autograd functions then take the concatenation's gradient whole and add its owned
+        rows into the rows that come home (:meth:`_add_home`)."""
         grad = x.requires_grad and torch.is_grad_enabled()
         layer = self._next_layer(x, grad, exact, score)
         if layer is None:
             if grad:
                 self.stats.forward_exchanges += 1
-                return _HaloExchangeFn.apply(x, self, None, None)
-            return self._fetch_unnumbered(x, exact)
+                return _HaloExchangeFn.apply(x, self, None, None, full)
+            return _append(x, self._fetch_unnumbered(x, exact), full)
         self._check_rows(x)
         self.stats.forward_exchanges += 1
         pipeline = self.policy.pipeline
         if pipeline is not None and grad:
             if not self.policy.synchronous:
-                return _StaleFn.apply(x, self, layer)
-            return _HaloExchangeFn.apply(x, self, layer, pipeline)
+                return _StaleFn.apply(x, self, layer, full)
+            return _HaloExchangeFn.apply(x, self, layer, pipeline, full)
         if grad:
-            return _HaloExchangeFn.apply(x, self, layer, None)
-        return self.fetch(x, layer)
+            return _HaloExchangeFn.apply(x, self, layer, None, full)
+        return _append(x, self.fetch(x, layer), full)
 
     def _fetch_unnumbered(self, x: Tensor, exact: bool) -> Tensor:
         # Only registered tensors (the batch's own, the same role on every rank) are cached:
@@ -243,15 +256,30 @@ class HaloExchanger:
         self._static.clear()
 
 
+def _append(x: Tensor, rows: Tensor, full: bool) -> Tensor:
+    return torch.cat([x, rows], dim=0) if full else rows
+
+
+def _split_grad(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor | None]:
+    """(halo rows' gradient, owned rows' gradient or ``None``) of a function's output."""
+    if not ctx.full:
+        return grad, None
+    return grad[ctx.num_owned :], grad[: ctx.num_owned]
+
+
 class _HaloExchangeFn(torch.autograd.Function):
     """Synchronous exchange; with a pipeline (Sylvie's synchronous epochs) the received rows
-    and gradients are also kept for the asynchronous epochs that follow."""
+    and gradients are also kept for the asynchronous epochs that follow.  With ``full`` the
+    output is ``cat(x, halo)``."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, exchanger: HaloExchanger, layer: int | None, pipeline: Any) -> Tensor:
+    def forward(
+        ctx: Any, x: Tensor, exchanger: HaloExchanger, layer: int | None, pipeline: Any, full: bool = False
+    ) -> Tensor:
         ctx.exchanger, ctx.layer, ctx.pipeline = exchanger, layer, pipeline
+        ctx.full, ctx.num_owned = full, x.size(0)
         if pipeline is None:
-            return exchanger.fetch(x, layer)
+            return _append(x, exchanger.fetch(x, layer), full)
         exchanger._check_rows(x)
         # kept as received (encoded when compressed) for the asynchronous epochs that follow
         block = _kept(
@@ -264,19 +292,20 @@ class _HaloExchangeFn(torch.autograd.Function):
             pipe, block.detach() if isinstance(block, Tensor) else block, pipeline.epoch, True
         )
         pipeline.record_age(layer, 0)
-        return rows
+        return _append(x, rows, full)
 
     @staticmethod
-    def backward(ctx: Any, grad_halo: Tensor) -> tuple[Tensor, None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
         exchanger: HaloExchanger = ctx.exchanger
         exchanger.stats.backward_exchanges += 1
+        grad_halo, owned = _split_grad(ctx, grad)
         finish = exchanger.launch(grad_halo.contiguous(), ctx.layer, "backward")
         if ctx.pipeline is None:
-            return exchanger._add_home(finish()), None, None, None
+            return exchanger._add_home(finish(), owned), None, None, None, None
         block = _kept(finish)()
         st = ctx.pipeline
         st.receive_grad(st.layer(ctx.layer), block, st.epoch, synchronous=True)
-        return exchanger._add_home(block_rows(block)), None, None, None
+        return exchanger._add_home(block_rows(block), owned), None, None, None, None
 
 
 def _kept(finish: Any) -> Any:
@@ -337,7 +366,7 @@ class _StaleFn(torch.autograd.Function):
     during the previous epoch and likewise send this epoch's."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, exchanger: HaloExchanger, layer: int) -> Tensor:
+    def forward(ctx: Any, x: Tensor, exchanger: HaloExchanger, layer: int, full: bool = False) -> Tensor:
         policy = exchanger.policy
         st = policy.pipeline
         assert st is not None
@@ -354,10 +383,12 @@ class _StaleFn(torch.autograd.Function):
             pipe.fwd_epoch = st.epoch
         st.record_age(layer, st.epoch - pipe.halo_epoch)
         ctx.exchanger, ctx.layer = exchanger, layer
-        return st.halo_rows(pipe)
+        ctx.full, ctx.num_owned = full, x.size(0)
+        return _append(x, st.halo_rows(pipe), full)
 
     @staticmethod
-    def backward(ctx: Any, grad_halo: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        grad_halo, owned = _split_grad(ctx, grad)
         exchanger: HaloExchanger = ctx.exchanger
         policy = exchanger.policy
         st = policy.pipeline
@@ -369,8 +400,9 @@ class _StaleFn(torch.autograd.Function):
         if policy.launch:
             pipe.grad_pending = _kept(exchanger.launch(grad_halo.contiguous(), ctx.layer, "backward"))
             pipe.grad_pending_epoch = st.epoch
-        plan = exchanger.plan
-        grad = grad_halo.new_zeros((plan.num_owned,) + tuple(grad_halo.shape[1:]))
         if stale is not None:
-            grad.index_add_(0, plan.send_index, stale.to(grad.dtype))
-        return grad, None, None
+            return exchanger._add_home(stale.to(grad_halo.dtype), owned), None, None, None
+        if owned is not None:
+            return owned, None, None, None
+        plan = exchanger.plan
+        return grad_halo.new_zeros((plan.num_owned,) + tuple(grad_halo.shape[1:])), None, None, None

@@ -178,6 +178,10 @@ class HaloContext:
         ``score``: the halo rows' aggregation scores (:meth:`score`), for the exchanger."""
         return self.exchanger.exchange(x, score=score)
 
+    def halo(self, x: Tensor, score: Callable[[], Tensor] | None = None) -> Tensor:
+        """``[N_r, F] -> [H_r, F]``: the halo rows alone, what :meth:`exchange` appends."""
+        return self.exchanger.halo(x, score=score)
+
     def exchange_async(self, x: Tensor, score: Callable[[], Tensor] | None = None) -> Any:
         """Starts the exchange of ``x``'s halo rows; ``.wait()`` gives them (``[H_r, F]``)."""
         return self.exchanger.exchange_async(x, score=score)
@@ -539,6 +543,8 @@ def _bipartite(conv, forward, ctx: HaloContext, x: Tensor, edge_index, args: tup
     # Only GraphConv multiplies its messages by a scalar edge weight.
     score = ctx.score(conv, edge_index, weight if values == "edge_weight" else None)
     if values is not None and not rest_args and not rest_kwargs and ctx.use_sparse(conv, x, weight):
+        if _sage_fusable(conv):
+            return _sage(conv, ctx, x, edge_index, score)
         # The conv's own fused path (message_and_aggregate -> torch.sparse.mm) on cached CSR blocks.
         if not ctx.overlap or (split := ctx.split(edge_index, weight, sparse=True, dtype=_csr_dtype(x))) is None:
             return forward((ctx.exchange(x, score), x), ctx.adjacency(edge_index, weight, _csr_dtype(x)))
@@ -575,6 +581,91 @@ def _bipartite(conv, forward, ctx: HaloContext, x: Tensor, edge_index, args: tup
     return split.merge(out_c, out_m)
 
 
+def _unhooked(module: nn.Module) -> bool:
+    # forward (pre-)hooks may rewrite the weights (torch.nn.utils.prune) or read the output
+    return not (module._forward_hooks or module._forward_pre_hooks)
+
+
+def _sage_fusable(conv: MessagePassing) -> bool:
+    """Whether :func:`_sage` computes this conv: an exact ``SAGEConv`` with a linear
+    aggregation, no ``project`` step, one decomposed layer, initialised weights and no hooks
+    on it that the fused arithmetic would bypass."""
+    if type(conv) is not SAGEConv or conv.project or conv.decomposed_layers != 1:
+        return False
+    if conv.aggr not in ("mean", "sum", "add") or getattr(conv, "explain", False):
+        return False
+    if conv._propagate_forward_pre_hooks or conv._propagate_forward_hooks:
+        return False
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return False
+    lins = [conv.lin_l] + ([conv.lin_r] if conv.root_weight else [])
+    return all(
+        _unhooked(lin) and not isinstance(lin.weight, nn.parameter.UninitializedParameter) for lin in lins
+    )
+
+
+def _sage(conv: SAGEConv, ctx: HaloContext, x: Tensor, edge_index: Tensor, score: Callable[[], Tensor]) -> Tensor:
+    r"""``SAGEConv`` with a linear aggregation :math:`\mathcal{A}` (mean or sum), on the cached
+    CSR blocks:
+
+    .. math::
+        \mathbf{X}'_r = \mathcal{A}(\mathbf{X}^{full}_r)\, W_l^\top + b_l
+        + \mathbf{X}_r W_r^\top
+        \quad\text{or, when } F_{out} < F_{in}, \quad
+        \mathcal{A}(\mathbf{X}^{full}_r W_l^\top) + b_l + \mathbf{X}_r W_r^\top
+
+    (then PyG's optional L2 ``normalize``).  The same maths as ``SAGEConv.forward``, summed in
+    another order, with fewer ``[N_r, F_out]`` temporaries: the root term is added into the
+    output in place (``addmm_``) rather than as ``lin_r``'s own output plus a sum, and a layer
+    whose ``lin_l`` narrows the rows (the output layer) aggregates the narrower rows
+    ``X W_l^T``, projecting the owned and the received rows separately so autograd keeps the
+    received ``[H_r, F_in]`` rows, not an ``[N_r + H_r, F_in]`` copy (``X_r`` is kept for the
+    root term anyway).  The exchanged message is ``X_r``'s halo rows, as for every conv.
+
+    Shapes:
+        x: ``[N_r, F_in]`` -> ``[N_r, F_out]``.
+    """
+    narrow = x.size(-1) > conv.out_channels
+    w_l, b_l = conv.lin_l.weight, conv.lin_l.bias
+
+    def rows(t: Tensor) -> Tensor:  # what the adjacency multiplies
+        return torch.nn.functional.linear(t, w_l) if narrow else t
+
+    dtype = _csr_dtype(x)
+    split = ctx.split(edge_index, None, sparse=True, dtype=dtype) if ctx.overlap else None
+    if split is None:
+        halo = ctx.halo(x, score) if narrow else None
+        src = torch.cat([rows(x), rows(halo)], dim=0) if narrow else ctx.exchange(x, score)
+        del halo
+        agg = conv.message_and_aggregate(ctx.adjacency(edge_index, None, dtype), (src, None))
+    else:
+        # central rows (owned sources) while the halo is in flight, marginal rows after it
+        pending = ctx.exchange_async(x, score)
+        own = rows(x)
+        agg_c = conv.message_and_aggregate(split.central_block, (own, None))
+        src = torch.cat([own, rows(pending.wait())], dim=0)
+        del own
+        agg = split.merge(agg_c, conv.message_and_aggregate(split.marginal_block, (src, None)))
+        del agg_c
+    del src
+    # `out` is a new tensor of this function's own (not the aggregation) where `owned`
+    owned = not narrow or b_l is not None
+    if narrow:
+        out = agg if b_l is None else agg + b_l
+    else:
+        out = torch.nn.functional.linear(agg, w_l, b_l)
+    del agg
+    if conv.root_weight:
+        w_r = conv.lin_r.weight.t()
+        if owned and not torch.is_autocast_enabled(x.device.type):
+            out = out.addmm_(x, w_r)
+        else:
+            out = torch.addmm(out, x, w_r)  # autocast covers addmm, not the in-place form
+    if conv.normalize:
+        out = torch.nn.functional.normalize(out, p=2.0, dim=-1)
+    return out
+
+
 def _slice_output(out: Any, n: int) -> Any:
     if isinstance(out, Tensor):
         return out[:n]
@@ -588,6 +679,25 @@ def _full_then_slice(conv, forward, ctx: HaloContext, x: Tensor, edge_index, arg
         raise ValueError(f"{type(conv).__name__}: do not pass `size=` under FullGraphStrategy; it is set for you")
     x_full = ctx.exchange(x, ctx.score(conv, edge_index))
     return _slice_output(forward(x_full, edge_index, *args, **kwargs), ctx.num_owned)
+
+
+def _aggregate_first(conv: GCNConv, x: Tensor) -> bool:
+    r"""Whether a GCN layer computes :math:`(\hat{A} X) W` rather than PyG's
+    :math:`\hat{A} (X W)` (the same matrix, summed in another order; DGL's ``GraphConv`` rule).
+
+    When ``lin`` does not narrow the rows (``F_in <= F_out``), aggregating first keeps only the
+    ``[N_r, F_in]`` aggregation for ``lin``'s backward instead of the ``[N_r + H_r, F_in]``
+    layer input with its halo rows, and ``lin`` multiplies ``N_r`` rows instead of
+    ``N_r + H_r``.  When it narrows (the output layer), transforming first aggregates the
+    narrower rows.  The exchanged message is the layer input either way.
+    """
+    return x.size(-1) <= conv.out_channels
+
+
+def _gcn_transform(conv: GCNConv, aggregation: Tensor) -> Tensor:
+    """``lin`` and bias on an aggregation ``[N_r, F_in] -> [N_r, F_out]``."""
+    out = conv.lin(aggregation)
+    return out + conv.bias if conv.bias is not None else out
 
 
 def _gcn(conv: GCNConv, forward, ctx: HaloContext, x: Tensor, edge_index, args: tuple, kwargs: dict):
@@ -607,6 +717,8 @@ def _gcn(conv: GCNConv, forward, ctx: HaloContext, x: Tensor, edge_index, args: 
         # runs (once) before the feature exchange, as below.
         adj = ctx.gcn_adjacency(edge_index, edge_weight, conv.improved, conv.add_self_loops, x.dtype)
         score = ctx.gcn_score(edge_index, edge_weight, conv.improved, conv.add_self_loops, x.dtype, rule)
+        if _aggregate_first(conv, x):
+            return _gcn_transform(conv, conv.propagate(adj, x=ctx.exchange(x, score), edge_weight=None))
         normalize, conv.normalize = conv.normalize, False
         try:
             return forward(ctx.exchange(x, score), adj)
@@ -631,21 +743,28 @@ def _gcn(conv: GCNConv, forward, ctx: HaloContext, x: Tensor, edge_index, args: 
         split = ctx.split(edge_index, weight, sparse=sparse, dtype=_csr_dtype(x)) if ctx.overlap else None
     if split is not None:
         # out = A_hat (X W) + b, computed as central rows (owned sources only) while the halo
-        # is in flight, then marginal rows; lin is applied once per row.
+        # is in flight, then marginal rows; lin is applied once per row, before the
+        # aggregation when it narrows the rows and after it otherwise (see _aggregate_first).
         pending = ctx.exchange_async(x, score)
-        h = conv.lin(x)
+        first = _aggregate_first(conv, x)
+        h = x if first else conv.lin(x)
         if sparse:
             out_c = conv.propagate(split.central_block, x=h, edge_weight=None)
         else:
             size_c = (ctx.num_owned, split.central.numel())
             out_c = conv.propagate(split.central_block, x=h, edge_weight=split.central_weight, size=size_c)
-        h_full = torch.cat([h, conv.lin(pending.wait())], dim=0)
+        halo = pending.wait()
+        h_full = torch.cat([h, halo if first else conv.lin(halo)], dim=0)
+        del halo
         if sparse:
             out_m = conv.propagate(split.marginal_block, x=h_full, edge_weight=None)
         else:
             size_m = (ctx.num_full, split.marginal.numel())
             out_m = conv.propagate(split.marginal_block, x=h_full, edge_weight=split.marginal_weight, size=size_m)
+        del h_full
         out = split.merge(out_c, out_m)
+        if first:
+            return _gcn_transform(conv, out)
         return out + conv.bias if conv.bias is not None else out
     # The conv's own code does lin/propagate/bias; only its normalisation is replaced.
     normalize, conv.normalize = conv.normalize, False

@@ -81,6 +81,39 @@ def test_static_inputs_cross_the_wire_once() -> None:
     run_ranks(_static_cache, 2)
 
 
+def _backward_allocations(rank: int, world_size: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    _, local, ex = _setup(rank, world_size)
+    n, feats = local[rank].plan.num_owned, 24
+    x = torch.randn(n, feats, generator=torch.Generator().manual_seed(rank)).requires_grad_(True)
+    ex.begin_step(True)
+    full = ex.exchange(x)
+    weights = torch.rand(full.shape, generator=torch.Generator().manual_seed(9))
+    loss = (full * weights).sum()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss.backward()
+    ex.begin_step(False)
+    sized = [e for e in prof.events() if e.cpu_memory_usage == n * feats * 4]
+    # one allocation is reported by every op on its call path (new_zeros > new_empty > empty)
+    owned_sized = [e for e in sized if not any(e.cpu_parent is other for other in sized)]
+    assert len(owned_sized) == 1, [e.name for e in sized]
+    # the gradient itself: own weights plus what the borrowers sent home (checked exactly in
+    # test_forward_fills_halo_and_backward_sums_at_owners); here against a plain recomputation
+    home = ex.push_back(weights[n:].contiguous())
+    torch.testing.assert_close(x.grad, weights[:n] + home, rtol=0, atol=0)
+
+
+@pytest.mark.timeout(60)
+def test_backward_allocates_one_owned_gradient() -> None:
+    """The exchange's backward writes the owned rows' gradient once: the concatenation's
+    gradient for the owned rows plus the rows that came home, one ``[N_r, F]`` tensor (here
+    the leaf's ``.grad`` itself), not a zero-filled ``[N_r, F]`` that autograd then adds to the
+    concatenation's slice (a second one).  Negative control (run): ``_add_home`` ignoring
+    ``owned`` (the previous backward) allocates two and fails."""
+    run_ranks(_backward_allocations, 2)
+
+
 def _fails_on_rank_one(rank: int, world_size: int) -> None:
     data, local, ex = _setup(rank, world_size)
     if rank == 1:

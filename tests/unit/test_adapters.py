@@ -91,6 +91,10 @@ class FakeExchanger:
         self.calls.append((exact, score))
         return torch.cat([x, self._halo(x, exact)], dim=0)
 
+    def halo(self, x: Tensor, exact: bool = False, score: Any = None) -> Tensor:
+        self.calls.append((exact, score))
+        return self._halo(x, exact)
+
     def exchange_async(self, x: Tensor, exact: bool = False, score: Any = None) -> _Pending:
         self.calls.append((exact, score))
         return _Pending(self._halo(x, exact))

@@ -46,6 +46,9 @@ class _Exchanger:
     def exchange(self, x: Tensor, exact: bool = False, score: Any = None) -> Tensor:
         return torch.cat([x, self._halo(x, exact)], dim=0)
 
+    def halo(self, x: Tensor, exact: bool = False, score: Any = None) -> Tensor:
+        return self._halo(x, exact)
+
     def exchange_async(self, x: Tensor, exact: bool = False, score: Any = None) -> _Pending:
         return _Pending(self._halo(x, exact))
 
@@ -243,3 +246,27 @@ def test_overlap_saves_no_copy_of_the_layer_input(make: Any) -> None:
     assert overlap <= plain + 16 * NUM_OWNED, f"{(overlap - plain) / NUM_OWNED:.0f} more bytes per row"
     torch.testing.assert_close(out_overlap, out_plain)
     torch.testing.assert_close(grad_overlap, grad_plain)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_widening_gcn_keeps_only_the_owned_aggregation(overlap: bool) -> None:
+    """A GCN layer that widens the rows (``F_in <= F_out``) aggregates first,
+    ``(A_hat X) W``: autograd keeps the ``[N_r, F_in]`` aggregation (and the weight) for
+    ``lin``'s backward, not the ``[N_r + H_r, F_in]`` layer input with its halo rows (nor, with
+    overlap, ``x`` and the received rows separately).  Output and input gradient equal PyG's
+    own order ``A_hat (X W)``, run on the edge path.  Negative control (run): transforming
+    first (``_aggregate_first`` returning False) keeps ``(N_r + H_r) F_in`` floats and fails
+    the bound, with and without overlap."""
+    torch.manual_seed(0)
+    conv = GCNConv(32, 48)
+    edge_index = _graph()
+    x = torch.randn(NUM_OWNED, 32)
+    saved, out, grad = _saved_bytes(conv, overlap, x, edge_index)
+    weight_bytes = conv.lin.weight.numel() * 4
+    assert saved <= 4 * 32 * NUM_OWNED + weight_bytes + 16 * NUM_OWNED, f"{saved / NUM_OWNED:.0f} bytes per row"
+    xi = x.clone().requires_grad_()
+    with install_adapters(conv, HaloContext(_Exchanger(), sparse=False)):
+        ref = conv(xi, edge_index)
+    ref.backward(torch.ones_like(ref))
+    torch.testing.assert_close(out, ref.detach())
+    torch.testing.assert_close(grad, xi.grad)
