@@ -651,7 +651,8 @@ def _sage(conv: SAGEConv, ctx: HaloContext, x: Tensor, edge_index: Tensor, score
     # `out` is a new tensor of this function's own (not the aggregation) where `owned`
     owned = not narrow or b_l is not None
     if narrow:
-        out = agg if b_l is None else agg + b_l
+        # (the bias in the aggregation's dtype, as lin_l's addmm has it under autocast)
+        out = agg if b_l is None else agg + b_l.to(agg.dtype)
     else:
         out = torch.nn.functional.linear(agg, w_l, b_l)
     del agg

@@ -270,3 +270,83 @@ def test_widening_gcn_keeps_only_the_owned_aggregation(overlap: bool) -> None:
     ref.backward(torch.ones_like(ref))
     torch.testing.assert_close(out, ref.detach())
     torch.testing.assert_close(grad, xi.grad)
+
+
+def _allocations(conv: nn.Module, overlap: bool, x: Tensor, edge_index: Tensor, nbytes: int) -> tuple[int, Tensor, Tensor]:
+    """Allocations of exactly ``nbytes`` in one forward of ``conv`` (each counted once, not
+    once per op on its call path), its output and the input's gradient."""
+    from torch.profiler import ProfilerActivity, profile
+
+    xi = x.clone().requires_grad_()
+    with install_adapters(conv, HaloContext(_Exchanger(), overlap=overlap)):
+        conv(xi, edge_index)  # builds and caches the CSR blocks
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = conv(xi, edge_index)
+    out.backward(torch.ones_like(out))
+    sized = [e for e in prof.events() if e.cpu_memory_usage == nbytes]
+    return len([e for e in sized if not any(e.cpu_parent is o for o in sized)]), out.detach(), xi.grad
+
+
+def _own_forward(conv: nn.Module, x: Tensor, edge_index: Tensor) -> tuple[Tensor, Tensor]:
+    """``SAGEConv.forward`` itself (PyG's edge path), output and input gradient."""
+    xi = x.clone().requires_grad_()
+    with install_adapters(conv, HaloContext(_Exchanger(), sparse=False)):
+        out = conv(xi, edge_index)
+    out.backward(torch.ones_like(out))
+    return out.detach(), xi.grad
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_sage_adds_its_root_term_in_place(overlap: bool) -> None:
+    """A SAGE layer (mean) allocates two ``[N_r, F_out]`` tensors in its forward: the
+    aggregation and ``lin_l``'s output, into which ``lin_r``'s term is added in place.
+    ``SAGEConv.forward`` allocates four (``lin_r``'s output and the sum besides); output and
+    input gradient equal its own.  Negative control (run): ``_sage_fusable`` returning False
+    (the conv's own forward on the CSR) allocates four and fails."""
+    torch.manual_seed(0)
+    conv = SAGEConv(32, 32)
+    edge_index, x = _graph(), torch.randn(NUM_OWNED, 32)
+    count, out, grad = _allocations(conv, overlap, x, edge_index, NUM_OWNED * 32 * 4)
+    assert count == 2
+    ref_out, ref_grad = _own_forward(conv, x, edge_index)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(grad, ref_grad)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_narrowing_sage_aggregates_the_projected_rows(overlap: bool) -> None:
+    """A SAGE layer whose ``lin_l`` narrows the rows (32 -> 8) aggregates ``X W_l^T``: no
+    ``[N_r, 32]`` aggregation is allocated (only ``[., 8]`` rows are gathered and summed), and
+    output and input gradient equal ``SAGEConv.forward``'s.  Negative control (run): without
+    the narrowing branch (``narrow = False``) the ``[N_r, 32]`` aggregation is allocated and
+    the count fails."""
+    torch.manual_seed(0)
+    conv = SAGEConv(32, 8)
+    edge_index, x = _graph(), torch.randn(NUM_OWNED, 32)
+    count, out, grad = _allocations(conv, overlap, x, edge_index, NUM_OWNED * 32 * 4)
+    assert count == 0
+    ref_out, ref_grad = _own_forward(conv, x, edge_index)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(grad, ref_grad)
+
+
+def test_sage_with_hooked_linears_runs_its_own_forward() -> None:
+    """Pruning (a forward pre-hook that recomputes ``lin_r.weight`` from ``weight_orig`` and
+    the mask on every call) is honoured: after ``weight_orig`` changes, as an optimizer step
+    changes it, the layer's output is ``SAGEConv.forward``'s with the new pruned weight, since a
+    conv with hooked linears is not fused.  Negative control (run): ``_sage_fusable`` ignoring
+    the linears' hooks reads the stale ``weight`` attribute and fails."""
+    from torch.nn.utils import prune
+
+    torch.manual_seed(0)
+    conv = SAGEConv(32, 32)
+    prune.l1_unstructured(conv.lin_r, "weight", amount=0.5)
+    edge_index, x = _graph(), torch.randn(NUM_OWNED, 32)
+    with install_adapters(conv, HaloContext(_Exchanger())):
+        conv(x, edge_index)
+        with torch.no_grad():
+            conv.lin_r.weight_orig.mul_(3.0)
+        out = conv(x, edge_index)
+    with install_adapters(conv, HaloContext(_Exchanger(), sparse=False)):
+        ref = conv(x, edge_index)
+    torch.testing.assert_close(out, ref)
