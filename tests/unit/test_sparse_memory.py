@@ -297,34 +297,23 @@ def _own_forward(conv: nn.Module, x: Tensor, edge_index: Tensor) -> tuple[Tensor
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
-def test_sage_adds_its_root_term_in_place(overlap: bool) -> None:
-    """A SAGE layer (mean) allocates two ``[N_r, F_out]`` tensors in its forward: the
-    aggregation and ``lin_l``'s output, into which ``lin_r``'s term is added in place.
-    ``SAGEConv.forward`` allocates four (``lin_r``'s output and the sum besides); output and
-    input gradient equal its own.  Negative control (run): ``_sage_fusable`` returning False
-    (the conv's own forward on the CSR) allocates four and fails."""
+@pytest.mark.parametrize(("out_channels", "expected"), [(32, 2), (8, 0)], ids=["root_in_place", "narrowing"])
+def test_sage_fused_forward_allocations(out_channels: int, expected: int, overlap: bool) -> None:
+    """Allocations of ``[N_r, 32]`` (the input width) in a SAGE layer's (mean) forward, with
+    output and input gradient equal to ``SAGEConv.forward``'s:
+
+    * 32 -> 32: two, the aggregation and ``lin_l``'s output, into which ``lin_r``'s term is
+      added in place; ``SAGEConv.forward`` allocates four (``lin_r``'s output and the sum).
+    * 32 -> 8 (``lin_l`` narrows): none, the layer aggregates ``X W_l^T`` (only ``[., 8]``
+      rows are gathered and summed), not a ``[N_r, 32]`` aggregation.
+
+    Negative controls (run): ``_sage_fusable`` returning False (the conv's own forward on the
+    CSR) allocates four and one and fails both; ``narrow = False`` fails the second."""
     torch.manual_seed(0)
-    conv = SAGEConv(32, 32)
+    conv = SAGEConv(32, out_channels)
     edge_index, x = _graph(), torch.randn(NUM_OWNED, 32)
     count, out, grad = _allocations(conv, overlap, x, edge_index, NUM_OWNED * 32 * 4)
-    assert count == 2
-    ref_out, ref_grad = _own_forward(conv, x, edge_index)
-    torch.testing.assert_close(out, ref_out)
-    torch.testing.assert_close(grad, ref_grad)
-
-
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
-def test_narrowing_sage_aggregates_the_projected_rows(overlap: bool) -> None:
-    """A SAGE layer whose ``lin_l`` narrows the rows (32 -> 8) aggregates ``X W_l^T``: no
-    ``[N_r, 32]`` aggregation is allocated (only ``[., 8]`` rows are gathered and summed), and
-    output and input gradient equal ``SAGEConv.forward``'s.  Negative control (run): without
-    the narrowing branch (``narrow = False``) the ``[N_r, 32]`` aggregation is allocated and
-    the count fails."""
-    torch.manual_seed(0)
-    conv = SAGEConv(32, 8)
-    edge_index, x = _graph(), torch.randn(NUM_OWNED, 32)
-    count, out, grad = _allocations(conv, overlap, x, edge_index, NUM_OWNED * 32 * 4)
-    assert count == 0
+    assert count == expected
     ref_out, ref_grad = _own_forward(conv, x, edge_index)
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(grad, ref_grad)
