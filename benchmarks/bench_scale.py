@@ -20,7 +20,10 @@ generated ``products-like`` graph at products' mean degree 50.5) this sweep
 It writes ``<out>/<name>.json`` / ``.md`` / ``.png`` (log-log plot) with least-squares
 exponents (``y ~ E^a`` over the sizes) and the goals: per-rank peak above baseline <= 1.3 x
 single-process need / P + halo rows; partition peak <= 3x the graph's size; epoch time
-exponent in edges <= 1.1.  Not part of CI: the full sweep takes about an hour on 2 cores.
+exponent in edges <= 1.1.  Every process it starts runs with the allocator environment of
+``--malloc`` (``run.py``'s ``MALLOC_ENVS``; default ``thp``: transparent huge pages for
+torch's large allocations and a fixed 2 MiB glibc mmap threshold), recorded in the report.
+Not part of CI: the full sweep takes about an hour on 2 cores.
 """
 
 from __future__ import annotations
@@ -101,6 +104,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--keep-going", action="store_true")
+    p.add_argument(
+        "--malloc",
+        choices=("default", "no-mmap", "thp"),
+        default="thp",
+        help="the allocator environment of every process the sweep starts (run.py --malloc; default thp: "
+        "transparent huge pages and a fixed 2 MiB mmap threshold)",
+    )
     p.add_argument("--render", help="redraw <name>.md/.png from this JSON only")
     p.add_argument(
         "--merge",
@@ -122,19 +132,22 @@ def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def _env() -> dict[str, str]:
+def _env(malloc: str = "default") -> dict[str, str]:
+    import run as bench_run
+
     env = dict(os.environ)
+    env.update(bench_run.MALLOC_ENVS[malloc])
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("PYTHONWARNINGS", "ignore")
     return env
 
 
-def generate(n: int, seed: int, log: Path) -> dict[str, Any]:
+def generate(n: int, seed: int, log: Path, malloc: str = "default") -> dict[str, Any]:
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-c", _GEN_SNIPPET, str(n), str(seed)],
         cwd=REPO,
-        env=_env(),
+        env=_env(malloc),
         capture_output=True,
         text=True,
     )
@@ -146,7 +159,9 @@ def generate(n: int, seed: int, log: Path) -> dict[str, Any]:
     return rec
 
 
-def partition(n: int, parts: int, cache: Path, log: Path, metis_max_edges: int | None) -> dict[str, Any]:
+def partition(
+    n: int, parts: int, cache: Path, log: Path, metis_max_edges: int | None, malloc: str = "default"
+) -> dict[str, Any]:
     cmd = [
         sys.executable,
         "-m",
@@ -166,7 +181,7 @@ def partition(n: int, parts: int, cache: Path, log: Path, metis_max_edges: int |
         cmd += ["--metis-max-edges", str(metis_max_edges)]
     load_before = _load()
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(malloc), capture_output=True, text=True)
     log.write_text(shlex.join(cmd) + "\n" + proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise SystemExit(f"partitioning {n} nodes into {parts} failed; see {log}")
@@ -208,7 +223,6 @@ def train(
     a.conv = conv
     a.assign_every = max(1, args.warmup)
     a.link_costs = "measure"
-    a.malloc = "default"
     graph = {
         "key": f"products-like-{n}-{conv}",
         "label": f"products-like {n}",
@@ -383,7 +397,10 @@ def _fmt(v: Any, digits: int = 0) -> str:
 
 
 def markdown(report: dict[str, Any], png: str | None) -> str:
+    from run import MALLOC_ENVS
+
     a = report["analysis"]
+    malloc = report["config"].get("malloc", "default")  # reports before --malloc ran with the defaults
     lines = [
         f"# Scale: products-like graph up to {max(s['nodes'] for s in report['sizes']):,} nodes",
         "",
@@ -391,6 +408,10 @@ def markdown(report: dict[str, Any], png: str | None) -> str:
         f"{report['host']['torch']}; hidden {report['config']['hidden']}, {report['config']['layers']} layers, "
         f"{report['config']['warmup']} warm-up + {report['config']['epochs']} measured epochs, no link "
         "emulation, one thread per rank. Load averages (1/5/15 min) are recorded with every measurement.",
+        "",
+        f"Allocator environment of every process (`--malloc {malloc}`): "
+        + (" ".join(f"`{k}={v}`" for k, v in MALLOC_ENVS[malloc].items()) or "glibc's and torch's defaults")
+        + ".",
         "",
     ]
     if png:
@@ -627,6 +648,7 @@ def main(argv: list[str]) -> int:
                 "staleness",
                 "seed",
                 "metis_fraction",
+                "malloc",
             )
         },
         "host": {
@@ -645,7 +667,7 @@ def main(argv: list[str]) -> int:
     started = time.perf_counter()
     for n in args.nodes_list:
         print(f"[scale] {n} nodes: generating ...", flush=True)
-        size: dict[str, Any] = {"nodes": n, "generate": generate(n, args.seed, logs / f"gen-{n}.log")}
+        size: dict[str, Any] = {"nodes": n, "generate": generate(n, args.seed, logs / f"gen-{n}.log", args.malloc)}
         g = size["generate"]
         print(
             f"[scale]   {g['edges']:,} edges in {g['seconds']:.1f}s, peak {g['peak_rss_mib']:.0f} MiB; "
@@ -654,10 +676,10 @@ def main(argv: list[str]) -> int:
         )
         bound = round(args.metis_fraction * g["edges"] / 2) if args.metis_fraction > 0 else None
         size["partition"] = partition(
-            n, args.scale_ranks, cache / "partitions", logs / f"part-{n}.log", bound
+            n, args.scale_ranks, cache / "partitions", logs / f"part-{n}.log", bound, args.malloc
         )
         size["partition_reuse"] = partition(
-            n, args.scale_ranks, cache / "partitions", logs / f"part-{n}-again.log", bound
+            n, args.scale_ranks, cache / "partitions", logs / f"part-{n}-again.log", bound, args.malloc
         )
         manifest = json.loads((Path(size["partition"]["folder"]) / "manifest.json").read_text())
         size["total_halo"] = manifest.get("total_halo")
@@ -672,7 +694,7 @@ def main(argv: list[str]) -> int:
         convs = args.full_convs_list if n == max(args.nodes_list) else args.convs_list
         plan = [(c, m, args.scale_ranks, p["folder"]) for c in convs for m in args.modes_list]
         if n in args.single_list:
-            single = partition(n, 1, cache / "partitions", logs / f"part-{n}-p1.log", None)
+            single = partition(n, 1, cache / "partitions", logs / f"part-{n}-p1.log", None, args.malloc)
             plan += [(c, "exact", 1, single["folder"]) for c in args.convs_list]
         for conv, mode, ranks, folder in plan:
             skip = memory_guard(report["runs"], conv, mode, ranks, p["num_edges"])

@@ -55,6 +55,12 @@ SHARED = Path(os.environ.get("LIGHTNING_FULLGRAPH_SHARED", REPO.parent / "shared
 MODES = DEFAULT_MODES
 SCOPES = ("shared", "per-rank")
 BALANCES = ("edges", "nodes")
+# The ranks' allocator environment (``--malloc``); every run records which one it had.
+MALLOC_ENVS: dict[str, dict[str, str]] = {
+    "default": {},
+    "no-mmap": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)},
+    "thp": {"THP_MEM_ALLOC_ENABLE": "1", "MALLOC_MMAP_THRESHOLD_": "2097152"},
+}
 # rate, token-bucket burst: burst >= rate / HZ and >= the loopback MTU (64 KiB)
 LINKS = {"1gbit": (1e9, "1gbit", "1mbit"), "10gbit": (1e10, "10gbit", "10mbit")}
 MIN_BURST_BYTES = 2 * 65536  # a calibrated (slow) link's bucket still holds two loopback packets
@@ -176,10 +182,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accuracy-ranks", help="rank counts of the accuracy runs")
     p.add_argument("--accuracy-epochs", type=int)
     p.add_argument(
-        "--malloc", choices=("default", "no-mmap"), default="default",
-        help="no-mmap: run the ranks with MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=<huge> (glibc), so that big "
-        "tensors are recycled from the heap instead of being mmap-ed and page-faulted in afresh at every "
-        "allocation (on CPU that is up to half of the compute time, see README)",
+        "--malloc", choices=tuple(MALLOC_ENVS), default="default",
+        help="the ranks' allocator environment: no-mmap: MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=<huge> (glibc), so "
+        "that big tensors are recycled from the heap instead of being mmap-ed and page-faulted in afresh at every "
+        "allocation (on CPU that is up to half of the compute time, see README); thp: THP_MEM_ALLOC_ENABLE=1 (torch "
+        "madvises allocations of 2 MiB and more for transparent huge pages: one fault per 2 MiB instead of per 4 KiB) "
+        "and MALLOC_MMAP_THRESHOLD_=2097152 (such allocations are mmap-ed, so a freed one returns to the kernel "
+        "instead of fragmenting the heap)",
     )
     p.add_argument("--repeat", type=int,
                    help="rounds of the mode comparison (alternating order); measured epochs are pooled")
@@ -542,8 +551,7 @@ def run_config(args: argparse.Namespace, cfg: dict[str, Any], run_root: Path, in
         PYTHONPATH=os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])),
         PYTHONWARNINGS="ignore",
     )
-    if args.malloc == "no-mmap":
-        env.update(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(1 << 40))
+    env.update(MALLOC_ENVS[args.malloc])
     rate = link_rate(cfg["link"], cfg["rate_bps"])
     factor = ranks if cfg["scope"] == "per-rank" else 1
     record: dict[str, Any] = {
@@ -731,8 +739,7 @@ def run_peers(args: argparse.Namespace, graph: dict[str, Any], graph_path: Path,
             cmd = [sys.executable, str(BENCH_DIR / "run.py"), "--peer", str(run_dir / "spec.json")]
             env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONWARNINGS="ignore",
                        PYTHONPATH=os.pathsep.join([str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
-            if args.malloc == "no-mmap":
-                env.update(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(1 << 40))
+            env.update(MALLOC_ENVS[args.malloc])
             rec: dict[str, Any] = {"section": "peer", "graph_key": graph["key"], "graph_label": graph["label"],
                                    "variant": variant, "threads": threads, "run_dir": str(run_dir),
                                    "command": shlex.join(cmd)}

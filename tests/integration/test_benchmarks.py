@@ -47,6 +47,50 @@ def test_link_wrapper_and_tc_parsing() -> None:
     assert stats == {"bytes": 553013712, "packets": 22280, "dropped": 31, "overlimits": 20299}
 
 
+_THP_PROBE = r"""
+import torch
+x = torch.ones(64 * 2**20 // 4)  # 64 MiB, written through: every page is faulted in
+kib = 0
+for line in open("/proc/self/smaps_rollup"):
+    if line.startswith("AnonHugePages:"):
+        kib = int(line.split()[1])
+print(kib)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_thp_allocator_environment_gives_torch_huge_pages() -> None:
+    """``--malloc thp`` (the ``--scale`` preset's default) starts processes whose large torch
+    tensors sit on transparent huge pages: a 64 MiB tensor is backed by at least 32 MiB of
+    ``AnonHugePages`` in a child started with ``bench_scale._env("thp")``, and by none in a
+    child started with the default environment (the negative control, which also fails the
+    test if the first child got huge pages for another reason).  Skipped where the kernel
+    offers no madvise-able huge pages."""
+    try:
+        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        pytest.skip("no /sys/kernel/mm/transparent_hugepage on this machine")
+    if "[never]" in thp:
+        pytest.skip(f"transparent huge pages are disabled here ({thp.strip()})")
+    scale = _load("bench_scale")
+
+    def huge_kib(malloc: str) -> int:
+        sys.path.insert(0, str(RUN.parent))  # bench_scale._env imports run by name, as run.py does
+        try:
+            env = scale._env(malloc)
+        finally:
+            sys.path.remove(str(RUN.parent))
+        for key in ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_THRESHOLD_"):
+            if malloc == "default":
+                env.pop(key, None)
+        out = subprocess.run([sys.executable, "-c", _THP_PROBE], env=env, capture_output=True, text=True, check=True)
+        return int(out.stdout.split()[-1])
+
+    if "[always]" not in thp:  # under "always" every process gets them: no negative control possible
+        assert huge_kib("default") == 0
+    assert huge_kib("thp") >= 32 * 1024
+
+
 @pytest.mark.timeout(240)
 def test_benchmark_smoke(tmp_path) -> None:
     cmd = [
