@@ -74,6 +74,8 @@ print(json.dumps({
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    from run import MALLOC_ENVS  # run.py put this folder on sys.path: it imported us
+
     p = argparse.ArgumentParser(prog="run.py --scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--scale", action="store_true")
     p.add_argument("--name", default="scale")
@@ -106,7 +108,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--keep-going", action="store_true")
     p.add_argument(
         "--malloc",
-        choices=("default", "no-mmap", "thp"),
+        choices=tuple(MALLOC_ENVS),
         default="thp",
         help="the allocator environment of every process the sweep starts (run.py --malloc; default thp: "
         "transparent huge pages and a fixed 2 MiB mmap threshold)",
