@@ -661,7 +661,38 @@ def partition_main(argv: Sequence[str] | None = None) -> int:
     print(_format_table(rows))
     print(_imbalance_line(rows))
     print(f"train on it: {PROG} fit --data.data={folder} --trainer.devices={manifest.get('num_parts')}")
+    hint = allocator_hint(rows, os.environ)
+    if hint:
+        print(hint)
     return 0
+
+
+#: Rows (owned + halo) of a part from which its ``[rows, 128]`` fp32 activations exceed glibc's
+#: largest mmap threshold (32 MiB): every such tensor is mapped, faulted in and zeroed afresh.
+LARGE_PART_ROWS = 65_536
+#: The allocator environment the README's "Large graphs on CPU" section measured.
+ALLOCATOR_ENV = {"THP_MEM_ALLOC_ENABLE": "1", "MALLOC_MMAP_THRESHOLD_": "2097152"}
+
+
+def allocator_hint(parts: Sequence[dict[str, Any]], environ: Any) -> str | None:
+    """The line ``partition`` prints when its largest part would train faster on CPU with
+    :data:`ALLOCATOR_ENV` (which must be set before Python starts, so it is only suggested),
+    or ``None``: parts below :data:`LARGE_PART_ROWS` rows, or the variables already set.
+
+    Args:
+        parts: Per-part statistics with ``owned`` and ``halo`` row counts.
+        environ: The environment the training job would inherit (``os.environ``).
+    """
+    largest = max((int(p["owned"]) + int(p["halo"]) for p in parts), default=0)
+    missing = {k: v for k, v in ALLOCATOR_ENV.items() if k not in environ}
+    if largest < LARGE_PART_ROWS or not missing:
+        return None
+    env = " ".join(f"{k}={v}" for k, v in missing.items())
+    return (
+        f"on CPU: a part holds up to {largest:,} rows; with `{env}` in the environment of `{PROG} fit` its "
+        "large tensors use transparent huge pages and leave no fragmented heap (products-like graphs, 4 ranks: "
+        "peaks 32-54 % lower at 10^5 nodes, epochs 11-26 % shorter from 10^6 nodes on; README, 'Large graphs on CPU')"
+    )
 
 
 # ----------------------------------------------------------------------------------- main

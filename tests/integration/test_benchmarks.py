@@ -86,6 +86,10 @@ def test_thp_allocator_environment_gives_torch_huge_pages() -> None:
         out = subprocess.run([sys.executable, "-c", _THP_PROBE], env=env, capture_output=True, text=True, check=True)
         return int(out.stdout.split()[-1])
 
+    # what `lightning-fullgraph partition` suggests is what this benchmark measured
+    from lightning_fullgraph.cli import ALLOCATOR_ENV
+
+    assert _load("run").MALLOC_ENVS["thp"] == ALLOCATOR_ENV
     if "[always]" not in thp:  # under "always" every process gets them: no negative control possible
         assert huge_kib("default") == 0
     assert huge_kib("thp") >= 32 * 1024

@@ -165,6 +165,39 @@ def test_partition_subcommand_then_fit(tmp_path, capsys):
     assert "final metrics after 3 epoch(s)" in out and "val_acc" in out and "test_acc" in out
 
 
+def test_partition_suggests_the_allocator_environment_for_large_parts(tmp_path, capsys, monkeypatch):
+    """`partition` prints the allocator environment (`THP_MEM_ALLOC_ENABLE=1
+    MALLOC_MMAP_THRESHOLD_=2097152`) when its largest part holds at least
+    `LARGE_PART_ROWS` rows and the environment lacks it; it names only the missing variables,
+    and says nothing for small parts or when both are set.  Negative control: without the
+    `print(hint)` in `_partition` the first assertion fails; a hint printed regardless of the
+    part size or the environment fails the later ones."""
+    import lightning_fullgraph.cli as cli
+
+    args = ["partition", "--data", "community", "--num-parts", "2", "--cache-dir", str(tmp_path)]
+    args += ["--dataset-kwargs", json.dumps({"num_nodes": 400, "num_val": 100, "num_test": 100})]
+    for key in cli.ALLOCATOR_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(cli, "LARGE_PART_ROWS", 150)  # both parts: 200 owned rows plus a halo
+    assert main(args) == 0
+    hint = [line for line in capsys.readouterr().out.splitlines() if line.startswith("on CPU:")]
+    assert len(hint) == 1 and "THP_MEM_ALLOC_ENABLE=1 MALLOC_MMAP_THRESHOLD_=2097152" in hint[0]
+
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
+    assert main(args) == 0
+    hint = [line for line in capsys.readouterr().out.splitlines() if line.startswith("on CPU:")]
+    assert len(hint) == 1 and "`MALLOC_MMAP_THRESHOLD_=2097152`" in hint[0]
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "2097152")
+    assert main(args) == 0
+    assert "on CPU:" not in capsys.readouterr().out
+
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
+    monkeypatch.setattr(cli, "LARGE_PART_ROWS", 10**6)
+    assert main(args) == 0
+    assert "on CPU:" not in capsys.readouterr().out
+
+
 @pytest.mark.timeout(60)
 def test_partition_balance_flag_and_imbalance(tmp_path, capsys):
     """`--balance` reaches the cache key and the output; table and JSON report per-part nodes and
