@@ -89,7 +89,9 @@ log = logging.getLogger(__name__)
 
 # 2: owned nodes and each owner's halo in locality order (partition/plan.py), not ascending
 # global id; a version-1 folder is rebuilt, never read with the other layout.
-FORMAT_VERSION = 2
+# 3: the locality order numbers owned nodes by recursive-bisection blocks, not reverse
+# Cuthill-McKee; a version-2 folder holds the same rows in another order and is rebuilt.
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 LOCK_TIMEOUT_ENV = "LIGHTNING_FULLGRAPH_CACHE_LOCK_TIMEOUT"
 DEFAULT_LOCK_TIMEOUT = 2 * 3600.0
