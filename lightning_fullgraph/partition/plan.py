@@ -24,9 +24,9 @@ near each other at every scale); the halo nodes of one owner are numbered by the
 local id of an owned node they point to (ties by global id).  A destination row's
 neighbours then sit in its own block or a nearby one, so the gathers of a sparse aggregation
 ``out[i] = sum_j A[i, j] x[j]`` hit cache far more often than with the graph's own
-numbering: on the largest part of a 2.45M-node products-like graph ``torch.sparse.mm``
-takes 24 ns per edge instead of 43 (reverse Cuthill-McKee, the order of format version 2)
-and 48 (random ids), ``benchmarks/bench_locality.py``.  ``node_order="rcm"`` numbers the
+numbering: on the largest part of a 10^6-node products-like graph the product takes
+21.8 ns per edge instead of 31.9 (reverse Cuthill-McKee, the order of format version 2) and
+41.9 (ascending global id), one thread, 128 features (``benchmarks/bench_locality.py``).  ``node_order="rcm"`` numbers the
 owned nodes in reverse Cuthill-McKee order alone (a breadth-first order, which keeps
 neighbours close on mesh-like graphs but spreads them over the whole part on small-world
 ones); parts of at most :data:`ORDER_BLOCK_ROWS` rows use it under ``"locality"`` too.
