@@ -29,7 +29,7 @@ numbering: on the largest part of a 10^6-node products-like graph the product ta
 41.9 (ascending global id), one thread, 128 features (``benchmarks/bench_locality.py``).
 ``node_order="rcm"`` numbers the owned nodes in reverse Cuthill-McKee order alone (a breadth-first order, which keeps
 neighbours close on mesh-like graphs but spreads them over the whole part on small-world
-ones); parts of at most :data:`ORDER_BLOCK_ROWS` rows use it under ``"locality"`` too.
+ones); parts of at most :data:`ORDER_MIN_ROWS` rows use it under ``"locality"`` too.
 ``node_order="global"`` keeps the owned nodes and each owner's halo in ascending global id.
 
 Every edge ``src -> dst`` of the global graph appears exactly once, in the local graph of the
@@ -51,6 +51,9 @@ from torch_geometric.data import Data
 
 __all__ = [
     "NODE_ORDERS",
+    "ORDER_BLOCK_ROWS",
+    "ORDER_EDGES_PER_NODE",
+    "ORDER_MIN_ROWS",
     "HaloPlan",
     "LocalPartition",
     "PartitionPlanner",
@@ -71,6 +74,10 @@ ORDER_BLOCK_ROWS = 1024
 #: full-size products-like part (mean degree 50) blocks from a sample of about 6 per node gave
 #: the same product time as blocks from every edge (24.1 ns per edge) for 0.4x the METIS time.
 ORDER_EDGES_PER_NODE = 8
+#: Parts of at most this many rows keep :func:`rcm_order` under the locality order: 16,384 rows
+#: of 128 fp32 features are 8 MiB, which the last-level cache holds in any order, so METIS's
+#: cost would not be repaid (and small graphs keep format 2's numbering).
+ORDER_MIN_ROWS = 16_384
 
 
 @dataclass
@@ -195,6 +202,7 @@ def locality_order(
     block_rows: int = ORDER_BLOCK_ROWS,
     max_edges_per_node: int = ORDER_EDGES_PER_NODE,
     seed: int = 0,
+    min_rows: int = ORDER_MIN_ROWS,
 ) -> Tensor:
     r"""A numbering of ``num_nodes`` nodes that puts neighbours in the same small block.
 
@@ -207,7 +215,7 @@ def locality_order(
     pieces.  A reverse Cuthill-McKee order (:func:`rcm_order`) is breadth-first: on a
     small-world graph its levels grow to a large share of the nodes, so neighbours land far
     apart (median distance 88k rows on a 595k-row products-like part, against 0.6-1.3k
-    here).  Graphs of at most ``block_rows`` nodes fit one piece and get :func:`rcm_order`.
+    here).  Graphs of at most ``max(block_rows, min_rows)`` nodes get :func:`rcm_order`.
 
     Args:
         src: ``[E]`` int64 node ids in ``[0, num_nodes)``.
@@ -218,12 +226,14 @@ def locality_order(
         max_edges_per_node: At most ``max_edges_per_node * num_nodes`` undirected edges go
             to METIS; a denser graph gives it a deterministic symmetric hash sample.
         seed: METIS's and the sample's seed.
+        min_rows: Graphs of at most this many nodes get :func:`rcm_order` (they fit the
+            cache in any order).
 
     Returns:
         ``order [num_nodes]`` int64, a permutation: ``order[k]`` is the node placed at position
         ``k``.  Deterministic: the same arguments give the same permutation.
     """
-    if num_nodes <= block_rows or src.numel() == 0:
+    if num_nodes <= max(block_rows, min_rows) or src.numel() == 0:
         return rcm_order(src, dst, num_nodes)
     import pymetis
 

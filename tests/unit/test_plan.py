@@ -9,6 +9,7 @@ from lightning_fullgraph.partition.partitioner import partition_graph
 from lightning_fullgraph.partition.plan import (
     NODE_ORDERS,
     ORDER_BLOCK_ROWS,
+    ORDER_MIN_ROWS,
     LocalPartition,
     PartitionPlanner,
     build_local_partitions,
@@ -215,7 +216,7 @@ def test_locality_order_keeps_a_small_world_part_in_cache_sized_blocks() -> None
     share, median = {}, {}
     for node_order in ("locality", "rcm"):
         for p in build_local_partitions(data, parts, 2, node_order=node_order):
-            assert p.plan.num_owned > 4 * ORDER_BLOCK_ROWS  # the blocked path, not the small-part one
+            assert p.plan.num_owned > ORDER_MIN_ROWS  # the blocked path, not the small-part one
             src, dst = p.data.edge_index
             inner = src < p.plan.num_owned
             src, dst = src[inner], dst[inner]
@@ -238,12 +239,13 @@ def test_locality_order_is_a_deterministic_permutation() -> None:
     dst = torch.cat([dst, dst[:10], torch.tensor([7])])
     for n in (50, 60):  # 60: ten isolated nodes
         for block_rows in (8, 1024):
-            order = locality_order(src, dst, n, block_rows=block_rows, max_edges_per_node=2)
+            kw = dict(block_rows=block_rows, max_edges_per_node=2, min_rows=0)
+            order = locality_order(src, dst, n, **kw)
             assert torch.equal(order.sort().values, torch.arange(n))
-            assert torch.equal(order, locality_order(src, dst, n, block_rows=block_rows, max_edges_per_node=2))
+            assert torch.equal(order, locality_order(src, dst, n, **kw))
         assert torch.equal(rcm_order(src, dst, n).sort().values, torch.arange(n))
     assert torch.equal(locality_order(src[:0], dst[:0], 5), torch.arange(5))
-    assert torch.equal(locality_order(src[:0], dst[:0], 5, block_rows=2), torch.arange(5))
+    assert torch.equal(locality_order(src[:0], dst[:0], 5, block_rows=2, min_rows=0), torch.arange(5))
     assert locality_order(src[:0], dst[:0], 0).numel() == 0
     loops = torch.arange(20)  # self-loops only: nothing for METIS to split
-    assert torch.equal(locality_order(loops, loops, 20, block_rows=4), torch.arange(20))
+    assert torch.equal(locality_order(loops, loops, 20, block_rows=4, min_rows=0), torch.arange(20))
