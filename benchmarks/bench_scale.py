@@ -20,7 +20,7 @@ generated ``products-like`` graph at products' mean degree 50.5) this sweep
 It writes ``<out>/<name>.json`` / ``.md`` / ``.png`` (log-log plot) with least-squares
 exponents (``y ~ E^a`` over the sizes) and the goals: per-rank peak above baseline <= 1.3 x
 single-process need / P + halo rows; partition peak <= 3x the graph's size; epoch time
-exponent in edges <= 1.1.  Every process it starts runs with the allocator environment of
+and partition time exponents in edges <= 1.1.  Every process it starts runs with the allocator environment of
 ``--malloc`` (``run.py``'s ``MALLOC_ENVS``; default ``thp``: transparent huge pages for
 torch's large allocations and a fixed 2 MiB glibc mmap threshold), recorded in the report.
 Not part of CI: the full sweep takes about an hour on 2 cores.
@@ -44,6 +44,29 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 FULL_NODES = 2_449_029
+
+# Host calibration: what one 8-byte read per edge from an [N] table costs at this N, at random
+# positions (what graph algorithms on a graph with structure-free ids do: METIS, the
+# generator's searches, the planner's lookups) and in ascending order (a streaming pass).
+_GATHER_SNIPPET = r"""
+import json, sys, time
+import torch
+torch.set_num_threads(1)
+n, e = int(sys.argv[1]), int(sys.argv[2])
+table = torch.arange(n)
+count = min(e, 1 << 24)
+idx = torch.randint(n, (count,), generator=torch.Generator().manual_seed(0))
+out = {"count": count}
+for name, i in (("random", idx), ("ascending", torch.sort(idx).values)):
+    table[i]
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter()
+        table[i]
+        ts.append(time.perf_counter() - t)
+    out[name + "_ns"] = sorted(ts)[2] / count * 1e9
+print(json.dumps(out))
+"""
 
 _GEN_SNIPPET = r"""
 import json, os, sys, time
@@ -158,6 +181,19 @@ def generate(n: int, seed: int, log: Path, malloc: str = "default") -> dict[str,
         raise SystemExit(f"generating {n} nodes failed; see {log}")
     rec = json.loads(proc.stdout.strip().splitlines()[-1])
     rec["wall_s"] = time.perf_counter() - t0
+    return rec
+
+
+def gather_calibration(n: int, edges: int, malloc: str = "default") -> dict[str, Any]:
+    """Nanoseconds per read of an ``[n]`` int64 table at random and at ascending positions
+    (median of 5 passes of ``min(edges, 2^24)`` reads, one thread, the partitioner's
+    allocator environment)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _GATHER_SNIPPET, str(n), str(edges)],
+        cwd=REPO, env=_env(malloc), capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    rec = json.loads(proc.stdout.strip().splitlines()[-1])
+    rec["load"] = _load()
     return rec
 
 
@@ -299,6 +335,15 @@ def analyse(report: dict[str, Any]) -> dict[str, Any]:
     ex["partition_seconds"] = fit_exponent(edges, [s["partition"]["partition_seconds"] for s in sizes])
     ex["partition_peak_rss"] = fit_exponent(edges, [s["partition"]["peak_rss_mib"] for s in sizes])
     ex["generation_seconds"] = fit_exponent(edges, [s["generate"]["seconds"] for s in sizes])
+    for phase in ("load", "metis", "plan", "write"):
+        ex[f"partition_phase/{phase}"] = fit_exponent(
+            edges, [s["partition"]["phase_seconds"].get(phase) for s in sizes]
+        )
+    # one random (ascending) read per edge: the host's own growth for a random-access bound
+    # (streaming) O(E) pass over node-indexed data, the reference for the partition phases
+    for kind in ("random", "ascending"):
+        pts = [(e, s["gather"][f"{kind}_ns"] * e) for e, s in zip(edges, sizes, strict=True) if s.get("gather")]
+        ex[f"host_{kind}_read_per_edge"] = fit_exponent([p[0] for p in pts], [p[1] for p in pts])
     runs = report["runs"]
     combos = sorted({(r["conv"], r["mode"]) for r in runs if r["ranks"] == parts})
     for conv, mode in combos:
@@ -387,6 +432,21 @@ def analyse(report: dict[str, Any]) -> dict[str, Any]:
                     "detail": "",
                 }
             )
+    val = ex.get("partition_seconds")
+    if val is not None:
+        phases = ", ".join(
+            f"{k.split('/')[1]} {_fmt(v, 2)}" for k, v in ex.items() if k.startswith("partition_phase/")
+        )
+        out["goals"].append(
+            {
+                "what": "partition time exponent in edges (generation included)",
+                "value": val,
+                "limit": 1.1,
+                "ok": val <= 1.1,
+                "detail": f"phases: {phases}; one random read per edge on this host: "
+                f"{_fmt(ex.get('host_random_read_per_edge'), 2)}",
+            }
+        )
     return out
 
 
@@ -438,9 +498,17 @@ def markdown(report: dict[str, Any], png: str | None) -> str:
         "## Partitioning (`lightning_fullgraph partition --num-parts "
         f"{report['config']['scale_ranks']}`, one process, METIS included)",
         "",
+        "Host read: nanoseconds per read of an `[N]` int64 table at random positions and at "
+        "ascending ones (one thread, median of 5 passes of up to 2^24 reads, in the partitioner's "
+        "allocator environment): what one lookup by node id costs at this size when ids carry no "
+        "locality (the generated graph hides its structure from its ids), against a streaming pass. "
+        "Its exponent below (`host_random_read_per_edge`, one such read per edge) is this host's "
+        "own growth for a random-access bound linear-time pass.",
+        "",
         "| nodes | total s (generation included) | generate s | METIS s | plan s | write s | peak RSS MiB (after imports) | "
-        "above imports / graph | METIS edges | halo total (fraction of N) | cache reuse s | load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "above imports / graph | METIS edges | halo total (fraction of N) | cache reuse s | "
+        "host read ns, random / ascending | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in report["sizes"]:
         p, ph = s["partition"], s["partition"]["phase_seconds"]
@@ -453,7 +521,8 @@ def markdown(report: dict[str, Any], png: str | None) -> str:
             f" | {_fmt(p.get('metis_max_edges')) if p.get('metis_max_edges') else 'all'} | "
             f"{_fmt(halo)} ({(halo or 0) / s['nodes']:.2f}) | "
             f"{_fmt(reuse.get('total_seconds'), 2)} ({'hit' if reuse.get('cache_hit') else 'MISS'}) | "
-            f"{' '.join(f'{x:.1f}' for x in p['load_before'])} |"
+            + (f"{gather['random_ns']:.1f} / {gather['ascending_ns']:.1f}" if (gather := s.get("gather")) else "-")
+            + f" | {' '.join(f'{x:.1f}' for x in p['load_before'])} |"
         )
     lines += [
         "",
@@ -683,6 +752,7 @@ def main(argv: list[str]) -> int:
         size["partition_reuse"] = partition(
             n, args.scale_ranks, cache / "partitions", logs / f"part-{n}-again.log", bound, args.malloc
         )
+        size["gather"] = gather_calibration(n, g["edges"], args.malloc)
         manifest = json.loads((Path(size["partition"]["folder"]) / "manifest.json").read_text())
         size["total_halo"] = manifest.get("total_halo")
         p = size["partition"]

@@ -208,9 +208,11 @@ def _keep_sample(
 
 
 def _symmetric_simple_csr(
-    edge_index: Tensor, num_nodes: int, max_edges: int | None = None, seed: int = 0
+    edge_index: Tensor | tuple[Tensor, Tensor], num_nodes: int, max_edges: int | None = None, seed: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
     """The symmetrised simple graph (no self-loops, no duplicates) in CSR form.
+
+    ``edge_index`` is ``[2, E]`` or a ``(src, dst)`` pair of ``[E]`` tensors (no stacked copy).
 
     Memory: one ``int64`` buffer of ``2 E`` keys (``row * N + col`` of both directions,
     filled in chunks), sorted and de-duplicated **in place**, then turned into column ids in
@@ -219,19 +221,84 @@ def _symmetric_simple_csr(
     tensors at once.)
 
     With ``max_edges``, a graph of more undirected edges keeps a deterministic symmetric
-    sample of about ``max_edges`` of them (:func:`_keep_sample`).
+    sample of about ``max_edges`` of them (:func:`_keep_sample`: pair ``{u, v}`` is kept iff
+    its hash is below a threshold).  The sample is drawn while the keys are written, so only
+    the kept keys are sorted (the sort is the one super-linear step: ``O(K log K)``).  The
+    threshold assumes ``U = E' / 2`` distinct undirected pairs (``E'`` the non-self-loop
+    input edges), which holds exactly for a symmetric graph without repeated edges (PyG's
+    ``to_undirected`` / ``coalesce`` form); when the sample's size shows another ``U``
+    (one-directional edges: up to ``2x`` more pairs; repeats: fewer) by more than 25 %, the
+    threshold is rescaled and the sample redrawn (smaller: thinned in place; larger: one
+    more pass).  Samples of one seed are nested in the threshold, so the result is a
+    deterministic function of the input.
 
     Returns:
         ``degree [N]`` int64 (row lengths) and ``adjncy`` int64 (the column ids, sorted by
-        row then column); ``adjncy`` is a view of the buffer.
+        row then column); ``adjncy`` is a view of the buffer (or a compact copy of a sample).
     """
     src, dst = edge_index[0].numpy(), edge_index[1].numpy()
     num_edges = src.size
+    threshold = None
+    if max_edges is not None:
+        non_loop = sum(
+            int(np.count_nonzero(src[lo : lo + _CHUNK] != dst[lo : lo + _CHUNK]))
+            for lo in range(0, num_edges, _CHUNK)
+        )
+        threshold = _sample_threshold(max_edges, non_loop // 2)
     buf = np.empty(2 * num_edges, dtype=np.int64)
+    for _ in range(3):  # converges in one pass unless the pair count estimate is off
+        w = _fill_unique_keys(src, dst, num_nodes, buf, threshold, seed)
+        if threshold is None:
+            break
+        pairs = w // 2
+        # the sample's size estimates the true pair count: pairs / (threshold / 2^64)
+        estimate = round(max(pairs, 1) * 2.0**64 / int(threshold))
+        if pairs > 1.25 * max_edges:  # more pairs than assumed (one-directional edges): thin
+            threshold = _sample_threshold(max_edges, estimate)
+            w = _thin_keys(buf, w, num_nodes, threshold, seed)
+            break
+        if pairs >= 0.8 * max_edges:
+            break
+        # fewer pairs than assumed (repeated edges): a larger threshold, another pass
+        threshold = _sample_threshold(max_edges, estimate)
+    keys = buf[:w]
+    # keys -> column ids, in place
+    degree = np.zeros(num_nodes, dtype=np.int64)
+    for lo in range(0, w, _CHUNK):
+        row, col = np.divmod(keys[lo : lo + _CHUNK], num_nodes)
+        degree += np.bincount(row, minlength=num_nodes)
+        keys[lo : lo + col.size] = col
+    if threshold is not None and w < buf.size // 2:
+        # a sample: keep a compact copy and free the 2 E buffer before METIS allocates
+        adjncy = keys.copy()
+        del keys, buf
+        return degree, adjncy
+    return degree, keys
+
+
+#: A threshold that keeps every pair.
+_ALL = 2**64 - 1
+
+
+def _sample_threshold(max_edges: int, pairs: int) -> np.uint64 | None:
+    """The :func:`_keep_sample` threshold keeping about ``max_edges`` of ``pairs`` pairs
+    (``None``: keep them all)."""
+    if pairs <= max_edges:
+        return None
+    return np.uint64(min(int(max_edges / pairs * 2.0**64), _ALL))
+
+
+def _fill_unique_keys(
+    src: np.ndarray, dst: np.ndarray, num_nodes: int, buf: np.ndarray, threshold: np.uint64 | None, seed: int
+) -> int:
+    """Writes the sorted distinct keys ``row * N + col`` of both directions of every kept
+    non-self-loop edge to ``buf``; returns their count."""
     n = 0
-    for lo in range(0, num_edges, _CHUNK):
+    for lo in range(0, src.size, _CHUNK):
         s, d = src[lo : lo + _CHUNK], dst[lo : lo + _CHUNK]
         keep = s != d
+        if threshold is not None:
+            keep &= _keep_sample(s, d, num_nodes, threshold, seed)
         s, d = s[keep], d[keep]
         k = s.size
         np.add(s * num_nodes, d, out=buf[n : n + k])  # num_nodes**2 fits in int64 for N < 3e9
@@ -251,26 +318,22 @@ def _symmetric_simple_csr(
         kept = chunk[first]
         keys[w : w + kept.size] = kept
         w += kept.size
-    threshold = None
-    if max_edges is not None and w // 2 > max_edges:
-        threshold = np.uint64(min(int(max_edges / (w // 2) * 2.0**64), 2**64 - 1))
-    # keys -> column ids (and the sample), in place
-    degree = np.zeros(num_nodes, dtype=np.int64)
+    return w
+
+
+def _thin_keys(buf: np.ndarray, w: int, num_nodes: int, threshold: np.uint64 | None, seed: int) -> int:
+    """Keeps, in place and in order, the keys of ``buf[:w]`` whose pair is below
+    ``threshold``; returns their count."""
+    if threshold is None:
+        return w
     out = 0
     for lo in range(0, w, _CHUNK):
-        row, col = np.divmod(keys[lo : min(lo + _CHUNK, w)], num_nodes)
-        if threshold is not None:
-            keep = _keep_sample(row, col, num_nodes, threshold, seed)
-            row, col = row[keep], col[keep]
-        degree += np.bincount(row, minlength=num_nodes)
-        keys[out : out + col.size] = col
-        out += col.size
-    if threshold is not None:
-        # a sample: keep a compact copy and free the 2 E buffer before METIS allocates
-        adjncy = keys[:out].copy()
-        del keys, buf
-        return degree, adjncy
-    return degree, keys[:out]
+        chunk = buf[lo : min(lo + _CHUNK, w)]
+        row, col = np.divmod(chunk, num_nodes)
+        kept = chunk[_keep_sample(row, col, num_nodes, threshold, seed)]
+        buf[out : out + kept.size] = kept
+        out += kept.size
+    return out
 
 
 def _water_fill(loads: Tensor, item_weights: Tensor) -> Tensor:

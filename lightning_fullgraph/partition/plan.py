@@ -241,7 +241,7 @@ def locality_order(
 
     idx_dtype = pymetis.zero_copy_dtype()
     degree, adjncy = _symmetric_simple_csr(
-        torch.stack([src, dst]), num_nodes, max_edges=max_edges_per_node * num_nodes, seed=seed
+        (src, dst), num_nodes, max_edges=max_edges_per_node * num_nodes, seed=seed
     )
     if adjncy.size == 0:
         return torch.arange(num_nodes)
@@ -342,7 +342,8 @@ class PartitionPlanner:
     others); :meth:`part` then builds that part's local graph.  Memory beyond the global
     graph: the destination owner of every edge as ``int8``/``int16`` (``E`` or ``2 E``
     bytes), the local id of every node (``8 N`` bytes), the halos (``O(sum H_r)``), and per
-    part one part's edges (a few ``[E_r]`` int64 temporaries; the locality order adds one
+    part an ``[N]`` halo mark (``N`` bytes) and position table (``8 N``: halo rows are found by
+    one lookup per edge, not by sorting or searching the remote edges), and one part's edges (a few ``[E_r]`` int64 temporaries; the locality order adds one
     ``[2 E_r]`` int64 buffer of the part's owned-to-owned edges in both directions, then
     METIS on at most ``ORDER_EDGES_PER_NODE * N_r`` of them; ``"rcm"`` an int32 CSR).  No ``[E]`` int64
     temporary and no per-part boolean mask over all ``E`` edges that outlives its pass is
@@ -388,35 +389,39 @@ class PartitionPlanner:
 
         self.halos: list[Tensor] = []
         self._halo_counts: list[Tensor] = []
+        is_halo = torch.zeros(num_nodes, dtype=torch.bool)
         for r in range(num_parts):
             e = self._edges_of(r)
             s = self.src[e]
             d = self.dst[e] if node_order != "global" else None
             del e
-            owner = self.parts[s]
-            remote = owner != r
+            remote = self._parts_small[s] != r
             if d is not None:
                 self._number_owned(r, s[~remote], d[~remote])
-            # Sorting by (owner, global id) gives the all_to_all receive layout directly.
-            remote_keys = owner[remote] * num_nodes + s[remote]
-            del s, owner
-            if d is None:
-                keys, inverse = torch.unique(remote_keys), None
-            else:
-                keys, inverse = torch.unique(remote_keys, return_inverse=True)
-            del remote_keys
+            s = s[remote]
+            # The halo sorted by (owner, global id), which is the all_to_all receive layout:
+            # marks over the N nodes, not a sort of the remote edges (linear time).
+            is_halo[s] = True
+            keys = is_halo.nonzero().view(-1)  # ascending global id
+            is_halo[keys] = False
+            owner = self.parts[keys]
+            by_owner = torch.argsort(owner, stable=True)
+            keys, owner = keys[by_owner], owner[by_owner]
+            del by_owner
             if d is not None and keys.numel():
                 # First touch: the smallest local id of an owned node each halo row feeds.
+                inverse = self._positions(keys)[s]
                 first = torch.full((keys.numel(),), int(sizes[r]), dtype=torch.long)
                 first.scatter_reduce_(0, inverse, self.local_id[d[remote]], reduce="amin")
+                del inverse
                 order = torch.argsort(first, stable=True)  # ties keep ascending global id
                 del first
-                order = order[torch.argsort(keys[order] // num_nodes, stable=True)]
-                keys = keys[order]
+                order = order[torch.argsort(owner[order], stable=True)]
+                keys, owner = keys[order], owner[order]
                 del order
-            del d, remote, inverse
-            self.halos.append(keys % num_nodes)
-            self._halo_counts.append(torch.bincount(keys // num_nodes, minlength=num_parts))
+            del s, d, remote
+            self.halos.append(keys)
+            self._halo_counts.append(torch.bincount(owner, minlength=num_parts))
         # send lists: rank q sends to rank r the halo rows of r owned by q, in r's order.
         self._send: list[list[Tensor]] = [[] for _ in range(num_parts)]
         for r in range(num_parts):
@@ -431,6 +436,13 @@ class PartitionPlanner:
         number = locality_order if self.node_order == "locality" else rcm_order
         order = number(self.local_id[src], self.local_id[dst], owned.numel())
         self.local_id[owned[order]] = torch.arange(owned.numel())
+
+    def _positions(self, ids: Tensor) -> Tensor:
+        """``[N]`` table with ``table[ids[k]] = k`` (other entries undefined): a lookup that
+        costs one gather per edge, in the order of the edges, instead of a binary search."""
+        table = torch.empty(self.num_nodes, dtype=torch.long)
+        table[ids] = torch.arange(ids.numel())
+        return table
 
     def _owned_ascending(self, r: int) -> Tensor:
         return (self.parts == r).nonzero().flatten()
@@ -451,19 +463,14 @@ class PartitionPlanner:
         num_nodes, num_parts = self.num_nodes, self.num_parts
         e = self._edges_of(r)
         s, d = self.src[e], self.dst[e]
-        owner = self.parts[s]
-        remote = owner != r
+        remote = self._parts_small[s] != r
         n_owned = int(self.num_owned[r])
-        # The halo is grouped by owner but not sorted by global id inside a group (first-touch
-        # order): search the sorted (owner, global id) keys, then map to halo positions.
         halo = self.halos[r]
-        halo_keys, halo_pos = torch.sort(self.parts[halo] * num_nodes + halo)
         s_local = torch.empty_like(s)
         local_mask = ~remote
         s_local[local_mask] = self.local_id[s[local_mask]]
-        found = torch.searchsorted(halo_keys, owner[remote] * num_nodes + s[remote])
-        s_local[remote] = n_owned + halo_pos[found]
-        del owner, local_mask, halo_keys, halo_pos, found
+        s_local[remote] = n_owned + self._positions(halo)[s[remote]]
+        del local_mask
         d_local = self.local_id[d]
         marginal = torch.zeros(n_owned, dtype=torch.bool)
         marginal[d_local[remote]] = True

@@ -203,6 +203,28 @@ def test_metis_sample_is_symmetric_deterministic_and_bounded(graph) -> None:
     assert (again == adj).all()
 
 
+@pytest.mark.parametrize("form", ["one-directional", "repeated"])
+def test_metis_sample_size_holds_when_the_input_is_not_symmetric(graph, form: str) -> None:
+    """The sample is drawn before sorting, with a threshold that assumes ``E / 2`` distinct
+    pairs; a one-directional edge list has twice that many, a repeated one fewer.  Both still
+    give about ``max_edges`` pairs, the same symmetric sample (a subset of the one of the
+    symmetric graph at its threshold).  Negative control: without the rescaling pass the
+    one-directional graph keeps ~2x ``max_edges`` pairs and the repeated one ~1/3 of them."""
+    und = graph.edge_index.size(1) // 2
+    ei = graph.edge_index
+    edges = ei[:, ei[0] < ei[1]] if form == "one-directional" else torch.cat([ei, ei, ei], 1)
+    target = und // 4
+    degree, adj = _symmetric_simple_csr(edges, N, max_edges=target, seed=3)
+    assert abs(adj.size / 2 - target) < 0.05 * target
+    row = torch.repeat_interleave(torch.arange(N), torch.from_numpy(degree))
+    col = torch.from_numpy(adj)
+    keys = torch.sort(row * N + col).values
+    assert torch.equal(keys, torch.sort(col * N + row).values)  # symmetric
+    # every kept pair is an edge of the graph
+    all_keys = torch.sort(ei[0] * N + ei[1]).values
+    assert torch.equal(all_keys[torch.searchsorted(all_keys, keys)], keys)
+
+
 def test_metis_on_a_sample_keeps_the_partition_quality(graph) -> None:
     """METIS on a 30 % edge sample: every node owned, balance kept, and an edge cut within
     1.25x of METIS on every edge.  Negative control: a random partition cuts ~3/4 of the edges."""
