@@ -110,6 +110,10 @@ _MAX_ROUNDS = 16
 #: A local block holds at least this many times its first end's expected degree in nodes.
 _BLOCK_CAPACITY = 4.0
 _LOCAL_SLICE = 1 << 17
+#: Equal-weight buckets per node of the sampler's guide table (``8 B`` each), and the prefix
+#: sums its search reads from a bucket's start before falling back to a binary search.
+_GUIDE_BUCKETS_PER_NODE = 2
+_GUIDE_PROBES = 2
 
 
 def _key(name: str) -> str:
@@ -186,17 +190,55 @@ class _Sampler:
         self.total = float(cum_w[-1])
         # an edge end's expected degree is 2 M w / W; a block must hold _BLOCK_CAPACITY times it
         self.degree_per_weight = 2.0 * num_edges / self.total
+        # guide table of search(): the answer at the left edge of each of B equal-weight buckets
+        buckets = _GUIDE_BUCKETS_PER_NODE * num_nodes
+        self.step = self.total / buckets
+        self.guide = torch.searchsorted(cum_w, torch.arange(buckets, dtype=torch.float64) * self.step, right=True)
+
+    def search(self, t: Tensor) -> Tensor:
+        """``torch.searchsorted(cum_w, t, right=True)``, bit for bit, in fewer random reads.
+
+        A binary search over the ``N`` prefix sums reads ``log2 N`` places at random, most
+        of them cache misses once ``N`` outgrows the cache (measured: 110 ns per query at
+        10^5 nodes, 260 ns at 2.45 M).  Here ``t`` starts from the answer at the left edge
+        of its equal-weight bucket (``guide``) and counts the prefix sums ``<= t`` among the
+        next :data:`_GUIDE_PROBES`: two reads close together.  The start is checked
+        (``cum_w[lo - 1] <= t``, so no answer lies below it, whatever the rounding of
+        ``t / step``) and so is the end (a prefix sum above ``t`` among the probes); the
+        few queries failing either go to ``torch.searchsorted``.
+
+        Shapes:
+            ``t [Q]`` float64 -> ``[Q]`` int64 in ``[0, N]``.
+        """
+        cum_w, n = self.cum_w, self.num_nodes
+        j = torch.div(t, self.step).floor_().clamp_(0, self.guide.numel() - 1).long()
+        lo = self.guide[j]
+        del j
+        ok = cum_w[(lo - 1).clamp_(min=0)] <= t
+        ok |= lo == 0
+        found = torch.zeros_like(lo)
+        for i in range(_GUIDE_PROBES):
+            p = lo + i
+            le = cum_w[p.clamp(max=n - 1)] <= t
+            le &= p < n
+            found += le
+        ok &= found < _GUIDE_PROBES  # cum_w is sorted: the probes <= t are a prefix of them
+        found += lo
+        bad = (~ok).nonzero().view(-1)
+        if bad.numel():
+            found[bad] = torch.searchsorted(cum_w, t[bad], right=True)
+        return found
 
 
 def _draw_pairs(count: int, s: _Sampler, gen: torch.Generator, out: np.ndarray) -> int:
     """Draws ``count`` candidate pairs into ``out`` as keys ``u * N + v`` (``u < v``); returns
     how many were written (self-loops are dropped)."""
-    num_nodes, cum_w, total = s.num_nodes, s.cum_w, s.total
+    num_nodes, total = s.num_nodes, s.total
     written = 0
     for lo in range(0, count, EDGE_CHUNK):
         n = min(EDGE_CHUNK, count - lo)
         # first end proportional to w (a position in the class-sorted order)
-        a = torch.searchsorted(cum_w, torch.rand(n, generator=gen, dtype=torch.float64) * total, right=True)
+        a = s.search(torch.rand(n, generator=gen, dtype=torch.float64) * total)
         a.clamp_(max=num_nodes - 1)
         k = s.pos_class[a]
         lo_w, cw = s.class_lo[k], s.class_w[k]
@@ -206,7 +248,7 @@ def _draw_pairs(count: int, s: _Sampler, gen: torch.Generator, out: np.ndarray) 
         # intra: a point of the class's weight range; inter: of the rest (skip the class's range)
         t = torch.where(intra, lo_w + r * cw, r * (total - cw))
         t = torch.where(intra | (t < lo_w), t, t + cw)
-        b = torch.searchsorted(cum_w, t, right=True).clamp_(max=num_nodes - 1)
+        b = s.search(t).clamp_(max=num_nodes - 1)
         del lo_w, cw, r, intra, t
         if s.locality > 0:
             b = _localise(a, k, b, s, gen)
@@ -264,7 +306,7 @@ def _block_draw(a: Tensor, k: Tensor, b: Tensor, u_level: Tensor, u_pick: Tensor
     w_lo = torch.where(lo > 0, s.cum_w[(lo - 1).clamp_(min=0)], 0.0)
     t = w_lo + u_pick * (s.cum_w[hi - 1] - w_lo)
     del w_lo
-    b_local = torch.searchsorted(s.cum_w, t, right=True)
+    b_local = s.search(t)
     return torch.minimum(torch.maximum(b_local, lo), hi - 1)
 
 

@@ -17,7 +17,9 @@ import torch
 
 from lightning_fullgraph.datasets import dataset_names, load_dataset
 from lightning_fullgraph.generated import (
+    GENERATOR_VERSION,
     PRODUCTS_STATS,
+    _Sampler,
     generated_fingerprint,
     is_generated_name,
     products_like_graph,
@@ -46,6 +48,58 @@ def test_same_seed_same_graph_other_seed_other_graph(graph) -> None:
     other = products_like_graph(num_nodes=N, seed=1)
     assert not torch.equal(graph.edge_index[:, :1000], other.edge_index[:, :1000])
     assert not torch.equal(graph.x[:10], other.x[:10])
+
+
+def test_graph_is_the_recorded_one_for_this_generator_version() -> None:
+    """The graph of seed 0 at 20,000 nodes is byte for byte the one recorded for
+    ``GENERATOR_VERSION`` 2 (torch 2.13): speed-ups of the generator must not change it, since
+    cached partitions are keyed by the version, not by the bytes.  A change that alters the
+    graph must bump the version and the digest.  Negative control: with seed 1, or with the
+    guided search's fallback removed (see the next test), the digest differs."""
+    import hashlib
+
+    g = products_like_graph(num_nodes=N, seed=0)
+    h = hashlib.sha256()
+    for k in ("edge_index", "x", "y", "train_mask", "val_mask", "test_mask"):
+        h.update(g[k].contiguous().numpy().tobytes())
+    assert GENERATOR_VERSION == 2
+    assert h.hexdigest() == "7a76b97c97a6c1dd60d169530ee516a420b3d7e25b6150dbe87e732e6bedd593"
+
+
+@pytest.mark.parametrize("weights", ["products", "ties", "equal"])
+def test_guided_search_is_searchsorted_bit_for_bit(weights: str) -> None:
+    """The sampler's weighted draws use ``_Sampler.search`` (a guide table of equal-weight
+    buckets and two probes) for ``torch.searchsorted(cum_w, t, right=True)``: the same index
+    for random queries, for every prefix sum and its floating-point neighbours, for every
+    bucket edge and its neighbours, for 0, the total and beyond; with products' heavy-tailed
+    weights, with runs of tiny and repeated weights (several prefix sums in one bucket, equal
+    prefix sums) and with equal weights (prefix sums on bucket edges, where ``t / step``
+    rounds across the edge).  Negative controls, run: without the end check (``found <
+    probes``) "products" and "ties" fail; without the start check (``cum_w[lo - 1] <= t``) "equal" fails
+    (2 of its queries); without the fallback all three fail."""
+    gen = torch.Generator().manual_seed(0)
+    n = 5000
+    if weights == "products":
+        w = (torch.randn(n, generator=gen, dtype=torch.float64) + torch.rand(n, generator=gen).double()).exp()
+    elif weights == "equal":
+        w = torch.full((n,), 0.7, dtype=torch.float64)
+    else:
+        w = torch.ones(n, dtype=torch.float64)
+        w[100:400] = 1e-9  # hundreds of prefix sums inside one bucket
+        w[1000:1100] = 0.0  # equal prefix sums
+        w[2000:2010] = 1e6  # buckets with no prefix sum
+    cum_w = torch.cumsum(w, 0)
+    s = _Sampler(n, 10 * n, cum_w, None, None, None, None, None, None, 0.8, 0.0, 64, 0.3)
+    edges = torch.arange(s.guide.numel(), dtype=torch.float64) * s.step
+    near = torch.cat([cum_w, edges])
+    q = torch.cat([
+        torch.rand(1 << 16, generator=gen, dtype=torch.float64) * s.total,
+        near,
+        torch.nextafter(near, torch.zeros_like(near)),
+        torch.nextafter(near, torch.full_like(near, float("inf"))),
+        torch.tensor([0.0, s.total, s.total * 1.5, 1e-300], dtype=torch.float64),
+    ])  # fmt: skip
+    assert torch.equal(s.search(q), torch.searchsorted(cum_w, q, right=True))
 
 
 def test_simple_symmetric_coalesced(graph) -> None:
