@@ -55,9 +55,10 @@ key buffer (``u * N + v``, ``u < v``) that is sorted and de-duplicated **in plac
 
 bytes (keys; then both directions plus ``edge_index``; then ``x``), i.e. at most about 1.5x
 the finished graph's own size (``edge_index`` + ``x`` + ``y`` + masks) plus ~100 MiB of
-fixed-size chunk temporaries.  Measured (version 2): 1.25x at products' size (2.78 GiB
-graph, 3.5 GiB peak above the imports, 59 s on one core); the constant
-dominates at 10^5 nodes; ``tests/unit/test_generated.py`` checks the bound.
+fixed-size chunk temporaries (the ``O(N)`` term includes the sampler's ``16 N``-byte guide
+table).  Measured (version 2): 1.2x at products' size (2.78 GiB graph, 3.3 GiB peak above
+the imports, 47 s on one core); the constant dominates at 10^5 nodes;
+``tests/unit/test_generated.py`` checks the bound.
 
 Determinism: only a private :class:`torch.Generator` seeded with ``seed`` is used, chunk
 sizes are constants, and every sort is of distinct keys, so the graph is identical for a
