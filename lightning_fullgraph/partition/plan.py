@@ -27,9 +27,10 @@ neighbours then sit in its own block or a nearby one, so the gathers of a sparse
 numbering: on the largest part of a 10^6-node products-like graph the product takes
 21.8 ns per edge instead of 31.9 (reverse Cuthill-McKee, the order of format version 2) and
 41.9 (ascending global id), one thread, 128 features (``benchmarks/bench_locality.py``).
-``node_order="rcm"`` numbers the owned nodes in reverse Cuthill-McKee order alone (a breadth-first order, which keeps
-neighbours close on mesh-like graphs but spreads them over the whole part on small-world
-ones); parts of at most :data:`ORDER_MIN_ROWS` rows use it under ``"locality"`` too.
+``node_order="rcm"`` numbers the owned nodes in reverse Cuthill-McKee order alone (a
+breadth-first order, which keeps neighbours close on mesh-like graphs but spreads them over
+the whole part on small-world ones); parts of at most :data:`ORDER_MIN_ROWS` rows use it
+under ``"locality"`` too.
 ``node_order="global"`` keeps the owned nodes and each owner's halo in ascending global id.
 
 Every edge ``src -> dst`` of the global graph appears exactly once, in the local graph of the
@@ -342,8 +343,9 @@ class PartitionPlanner:
     others); :meth:`part` then builds that part's local graph.  Memory beyond the global
     graph: the destination owner of every edge as ``int8``/``int16`` (``E`` or ``2 E``
     bytes), the local id of every node (``8 N`` bytes), the halos (``O(sum H_r)``), and per
-    part an ``[N]`` halo mark (``N`` bytes) and position table (``8 N``: halo rows are found by
-    one lookup per edge, not by sorting or searching the remote edges), and one part's edges (a few ``[E_r]`` int64 temporaries; the locality order adds one
+    part an ``[N]`` halo mark (``N`` bytes) and an ``[N]`` position table (``8 N``: halo rows
+    are found by one lookup per edge, not by sorting or searching the remote edges), and one
+    part's edges (a few ``[E_r]`` int64 temporaries; the locality order adds one
     ``[2 E_r]`` int64 buffer of the part's owned-to-owned edges in both directions, then
     METIS on at most ``ORDER_EDGES_PER_NODE * N_r`` of them; ``"rcm"`` an int32 CSR).  No ``[E]`` int64
     temporary and no per-part boolean mask over all ``E`` edges that outlives its pass is
@@ -462,21 +464,25 @@ class PartitionPlanner:
         """The :class:`LocalPartition` of rank ``r``."""
         num_nodes, num_parts = self.num_nodes, self.num_parts
         e = self._edges_of(r)
-        s, d = self.src[e], self.dst[e]
-        remote = self._parts_small[s] != r
         n_owned = int(self.num_owned[r])
         halo = self.halos[r]
-        s_local = torch.empty_like(s)
-        local_mask = ~remote
-        s_local[local_mask] = self.local_id[s[local_mask]]
-        s_local[remote] = n_owned + self._positions(halo)[s[remote]]
-        del local_mask
-        d_local = self.local_id[d]
+        # Every source is owned or in the halo: one [N] lookup (local ids, halo rows patched
+        # in) maps them all, written straight into the edge_index rows.
+        lookup = self.local_id.clone()
+        lookup[halo] = torch.arange(n_owned, n_owned + halo.numel())
+        edge_index = torch.empty(2, e.numel(), dtype=torch.long)
+        s_local, d_local = edge_index[0], edge_index[1]
+        torch.index_select(self.src, 0, e, out=d_local)  # the global sources, for a moment
+        remote = self._parts_small[d_local] != r
+        torch.index_select(lookup, 0, d_local, out=s_local)
+        del lookup
+        torch.index_select(self.dst, 0, e, out=d_local)
+        d_local.copy_(self.local_id[d_local])
         marginal = torch.zeros(n_owned, dtype=torch.bool)
         marginal[d_local[remote]] = True
-        del remote, d
-        local = Data(edge_index=torch.stack([s_local, d_local]))
-        del s_local, d_local, s
+        del remote, s_local, d_local
+        local = Data(edge_index=edge_index)
+        del edge_index
         ascending = self._owned_ascending(r)
         owned = torch.empty_like(ascending)
         owned[self.local_id[ascending]] = ascending  # local id -> global id
