@@ -246,9 +246,10 @@ def _symmetric_simple_csr(
         )
         threshold = _sample_threshold(max_edges, non_loop // 2)
     buf = np.empty(2 * num_edges, dtype=np.int64)
-    for _ in range(3):  # converges in one pass unless the pair count estimate is off
+    passes = 3  # one unless the pair count assumed is off
+    for attempt in range(passes):
         w = _fill_unique_keys(src, dst, num_nodes, buf, threshold, seed)
-        if threshold is None:
+        if threshold is None or max_edges is None:
             break
         pairs = w // 2
         # the sample's size estimates the true pair count: pairs / (threshold / 2^64)
@@ -257,7 +258,7 @@ def _symmetric_simple_csr(
             threshold = _sample_threshold(max_edges, estimate)
             w = _thin_keys(buf, w, num_nodes, threshold, seed)
             break
-        if pairs >= 0.8 * max_edges:
+        if pairs >= 0.8 * max_edges or attempt == passes - 1:
             break
         # fewer pairs than assumed (repeated edges): a larger threshold, another pass
         threshold = _sample_threshold(max_edges, estimate)
