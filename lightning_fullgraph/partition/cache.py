@@ -57,6 +57,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -153,9 +154,15 @@ class PartitionResult:
         timings: Wall seconds per phase of this call: ``check`` (fingerprint and cache
             lookup), and on a rebuild ``load`` (building a lazily given graph), ``metis``
             (the partitioner), ``plan`` (halo plans and local graphs) and ``write`` (part
-            files, checksums, manifest).
+            files, checksums, manifest: the time spent waiting for them beyond building the
+            next part, which a part's writing overlaps).
         peak_rss_mib: The process's resident-set high-water mark (:func:`max_rss_mib`, MiB)
             at the end of each phase of ``timings``: the phase where it jumps set the peak.
+        forked_peak_mib: Where the planner numbered parts in forked children
+            (:class:`~lightning_fullgraph.partition.plan.PartitionPlanner`'s
+            ``order_workers``), an upper bound on this process and those children together
+            (MiB): this process's high-water mark after the planner plus the private peaks of
+            as many of the largest children as ran at once; 0 where none was forked.
     """
 
     folder: Path
@@ -164,6 +171,7 @@ class PartitionResult:
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
     peak_rss_mib: dict[str, float] = field(default_factory=dict)
+    forked_peak_mib: float = 0.0
 
 
 def max_rss_mib() -> float:
@@ -678,37 +686,55 @@ def _identity(meta: dict[str, Any]) -> dict[str, Any]:
     return {k: meta[k] for k in keys if k in meta}
 
 
+def _write_part(part: LocalPartition, tmp: Path, path_ref: list[Path]) -> dict[str, Any]:
+    """Saves one part under ``tmp`` and returns its manifest entry."""
+    name = f"part-{part.plan.rank:05d}.pt"
+    path_ref[0] = tmp / name
+    _save_part(part.state(), tmp / name)
+    return {
+        "file": name,
+        "bytes": (tmp / name).stat().st_size,
+        "sha256": _file_sha256(tmp / name),
+        "num_owned": part.plan.num_owned,
+        "num_halo": part.plan.num_halo,
+        "num_edges": int(part.data.edge_index.size(1)),
+    }
+
+
 def _write_temporary(
     folder: Path, partitions: Iterable[LocalPartition], meta: dict[str, Any], path_ref: list[Path],
     on_part: Callable[[float], None] | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """Writes parts and manifest into a new private sibling of ``folder``.  ``partitions``
-    may be a generator: each part is dropped once written, so one part is in memory at a time;
-    ``on_part(seconds)`` is told how long each part's writing took."""
+    may be a generator: a part is written (saved and checksummed) in a background thread
+    while the next one is taken from ``partitions``, so at most two parts are in memory at a
+    time (one writing, one being built) and each is dropped once written.
+    ``on_part(seconds)`` is told how long the caller waited for each part's file beyond
+    building the next one."""
     tmp = _private_sibling(folder, "tmp")
     path_ref[0] = tmp
     os.mkdir(tmp)
     try:
         (tmp / _OWNER).write_text(json.dumps(_owner()))
         entries = []
-        for part in partitions:
+
+        def wait(pending: Future[dict[str, Any]]) -> None:
             t0 = time.perf_counter()
-            name = f"part-{part.plan.rank:05d}.pt"
-            path_ref[0] = tmp / name
-            _save_part(part.state(), tmp / name)
-            entries.append(
-                {
-                    "file": name,
-                    "bytes": (tmp / name).stat().st_size,
-                    "sha256": _file_sha256(tmp / name),
-                    "num_owned": part.plan.num_owned,
-                    "num_halo": part.plan.num_halo,
-                    "num_edges": int(part.data.edge_index.size(1)),
-                }
-            )
-            del part
+            entries.append(pending.result())  # a failed write raises here, in this thread
             if on_part is not None:
                 on_part(time.perf_counter() - t0)
+
+        # torch.save's writes and the checksum's reads release the GIL, so writing part r
+        # overlaps building part r + 1; one write at a time keeps two parts in memory at most.
+        with ThreadPoolExecutor(1, thread_name_prefix="partition-writer") as writer:
+            pending: Future[dict[str, Any]] | None = None
+            for part in partitions:
+                if pending is not None:
+                    wait(pending)
+                pending = writer.submit(_write_part, part, tmp, path_ref)
+                del part
+            if pending is not None:
+                wait(pending)
         manifest = {"format_version": FORMAT_VERSION, **meta, "parts": entries, "created": time.time()}
         path_ref[0] = tmp / MANIFEST
         with open(tmp / MANIFEST, "w") as f:
@@ -954,6 +980,8 @@ def ensure_partitions(
         phase("metis")
         planner = PartitionPlanner(data, parts, num_parts)
         del parts
+        children = sorted(planner.order_child_peak_bytes)[-planner.order_workers :]
+        forked_peak = max_rss_mib() + sum(children) / 2**20 if children else 0.0
         nodes_per_part = [int(c) for c in planner.num_owned.tolist()]
         edges_per_part = [int(c) for c in planner.num_edges_per_part.tolist()]
         meta = {
@@ -992,5 +1020,5 @@ def ensure_partitions(
             reason = f"{reason}; another process published the same partitions first, which are used"
         return PartitionResult(
             folder=folder, rebuilt=True, reason=reason, seconds=time.perf_counter() - start, timings=timings,
-            peak_rss_mib=peaks,
+            peak_rss_mib=peaks, forked_peak_mib=forked_peak,
         )

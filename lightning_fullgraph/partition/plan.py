@@ -41,6 +41,9 @@ other node and simply have no local edges.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -50,10 +53,13 @@ import torch
 from torch import Tensor
 from torch_geometric.data import Data
 
+from .forked import ForkedCall, can_fork
+
 __all__ = [
     "NODE_ORDERS",
     "ORDER_BLOCK_ROWS",
     "ORDER_EDGES_PER_NODE",
+    "ORDER_FORK_MIN_EDGES",
     "ORDER_MIN_ROWS",
     "HaloPlan",
     "LocalPartition",
@@ -79,6 +85,11 @@ ORDER_EDGES_PER_NODE = 8
 #: of 128 fp32 features are 8 MiB, which the last-level cache holds in any order, so METIS's
 #: cost would not be repaid (and small graphs keep format 2's numbering).
 ORDER_MIN_ROWS = 16_384
+#: Owned-to-owned edges from which a part's locality order runs in a forked child when several
+#: run at once (``PartitionPlanner(order_workers=...)``): about 0.3 s of METIS on a
+#: products-like part, where the fork's own cost (copying the page tables, the child's
+#: copy-on-write pages, about 30 MiB at 10^5 nodes) is small beside it.
+ORDER_FORK_MIN_EDGES = 1 << 21
 
 
 @dataclass
@@ -335,6 +346,45 @@ def iter_local_partitions(
         yield plans.part(r)
 
 
+def _order_workers(order_workers: int | None, num_parts: int, node_order: str) -> int:
+    """Parts numbered at once: ``order_workers``, or the CPUs this process may use; at most one
+    per part, and one where nothing is forked (no ``fork``, a daemonic process, an order
+    other than ``"locality"``)."""
+    if order_workers is None:
+        try:
+            order_workers = len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            order_workers = os.cpu_count() or 1
+    elif isinstance(order_workers, bool) or not isinstance(order_workers, int) or order_workers < 1:
+        raise ValueError(f"`order_workers` must be a positive int or None, got {order_workers!r}")
+    if node_order != "locality" or not can_fork() or multiprocessing.current_process().daemon:
+        # (a daemonic process may not start children)
+        return 1
+    return max(1, min(order_workers, num_parts))
+
+
+@dataclass
+class _PendingPart:
+    """A part whose halo is known and whose owned nodes' numbering may still be running.
+
+    Attributes:
+        rank: The part.
+        order: Its owned nodes' numbering (a permutation of ``[0, N_r)``), or the forked call
+            computing it; ``None`` for ``node_order="global"``.
+        remote_src: ``[R_r]`` global ids of the sources of its remote edges.
+        remote_dst: ``[R_r]`` global ids of their destinations (``None`` for ``"global"``).
+        keys: ``[H_r]`` its halo, grouped by owner rank, ascending global id inside.
+        owner: ``[H_r]`` the owner rank of every halo node.
+    """
+
+    rank: int
+    order: ForkedCall | Tensor | None
+    remote_src: Tensor
+    remote_dst: Tensor | None
+    keys: Tensor
+    owner: Tensor
+
+
 class PartitionPlanner:
     """Builds the parts of a global graph one at a time, in bounded memory.
 
@@ -351,20 +401,44 @@ class PartitionPlanner:
     temporary and no per-part boolean mask over all ``E`` edges that outlives its pass is
     kept.
 
+    Under ``"locality"`` the owned nodes of up to ``order_workers`` parts are numbered at
+    once, each METIS ordering in a forked child (:class:`~lightning_fullgraph.partition.
+    forked.ForkedCall`: METIS holds the GIL and uses the process-wide ``rand()`` state, so
+    threads could not run two calls deterministically).  On a machine with several cores the
+    parts' orderings, the largest share of planning a big graph, then overlap each other and
+    the extraction of the next part's edges.  Each ordering in flight keeps its part's
+    owned-to-owned edges (two ``[E_r]`` int64) alive here and its METIS input in the child
+    (:attr:`order_child_peak_bytes`).  The plan is the same for any ``order_workers``.
+
     Args:
         data: The global graph.
         parts: ``[N]`` owner rank of every node.
         num_parts: Number of parts.
         node_order: ``"locality"``, ``"rcm"`` or ``"global"``, see the module docstring.
+        order_workers: Parts numbered at once; default: the CPUs this process may run on
+            (``os.sched_getaffinity``), at most ``num_parts``.  ``1`` numbers them one after
+            another in this process (parts small enough for :func:`rcm_order`, or with fewer
+            than :data:`ORDER_FORK_MIN_EDGES` owned-to-owned edges, always are).
 
     Attributes:
         num_edges_per_part: ``[P]`` edges whose destination each part owns.
         num_owned: ``[P]`` nodes each part owns.
         local_id: ``[N]`` every node's local id in its owner's block.
         halos: Global ids of each part's halo, grouped by owner rank, in the part's order.
+        order_workers: Parts numbered at once (1 where ``fork`` is unavailable or the order
+            is not ``"locality"``).
+        order_child_peak_bytes: Peak memory of every forked ordering beyond what it shared
+            with this process (empty when none was forked).
     """
 
-    def __init__(self, data: Data, parts: Tensor, num_parts: int, node_order: NodeOrder = "locality") -> None:
+    def __init__(
+        self,
+        data: Data,
+        parts: Tensor,
+        num_parts: int,
+        node_order: NodeOrder = "locality",
+        order_workers: int | None = None,
+    ) -> None:
         num_nodes = int(data.num_nodes)
         parts = parts.to(torch.long).cpu()
         if parts.shape != (num_nodes,):
@@ -391,39 +465,21 @@ class PartitionPlanner:
 
         self.halos: list[Tensor] = []
         self._halo_counts: list[Tensor] = []
-        is_halo = torch.zeros(num_nodes, dtype=torch.bool)
+        self._is_halo = torch.zeros(num_nodes, dtype=torch.bool)
+        #: Peak bytes of each forked numbering beyond what it shared with this process.
+        self.order_child_peak_bytes: list[int] = []
+        self.order_workers = _order_workers(order_workers, num_parts, node_order)
+        # Part r's numbering runs in a forked child while this process extracts part r + 1's
+        # edges; at most `order_workers` numberings are in flight, and parts are finished in
+        # rank order, so the plan does not depend on the timing.
+        pending: deque[_PendingPart] = deque()
         for r in range(num_parts):
-            e = self._edges_of(r)
-            s = self.src[e]
-            d = self.dst[e] if node_order != "global" else None
-            del e
-            remote = self._parts_small[s] != r
-            if d is not None:
-                self._number_owned(r, s[~remote], d[~remote])
-            s = s[remote]
-            # The halo sorted by (owner, global id), which is the all_to_all receive layout:
-            # marks over the N nodes, not a sort of the remote edges (linear time).
-            is_halo[s] = True
-            keys = is_halo.nonzero().view(-1)  # ascending global id
-            is_halo[keys] = False
-            owner = self.parts[keys]
-            by_owner = torch.argsort(owner, stable=True)
-            keys, owner = keys[by_owner], owner[by_owner]
-            del by_owner
-            if d is not None and keys.numel():
-                # First touch: the smallest local id of an owned node each halo row feeds.
-                inverse = self._positions(keys)[s]
-                first = torch.full((keys.numel(),), int(sizes[r]), dtype=torch.long)
-                first.scatter_reduce_(0, inverse, self.local_id[d[remote]], reduce="amin")
-                del inverse
-                order = torch.argsort(first, stable=True)  # ties keep ascending global id
-                del first
-                order = order[torch.argsort(owner[order], stable=True)]
-                keys, owner = keys[order], owner[order]
-                del order
-            del s, d, remote
-            self.halos.append(keys)
-            self._halo_counts.append(torch.bincount(owner, minlength=num_parts))
+            pending.append(self._start_part(r))
+            while len(pending) >= self.order_workers:
+                self._finish_part(pending.popleft())
+        while pending:
+            self._finish_part(pending.popleft())
+        del self._is_halo
         # send lists: rank q sends to rank r the halo rows of r owned by q, in r's order.
         self._send: list[list[Tensor]] = [[] for _ in range(num_parts)]
         for r in range(num_parts):
@@ -431,13 +487,67 @@ class PartitionPlanner:
             for q in range(num_parts):
                 self._send[q].append(self.local_id[chunks[q]])
 
-    def _number_owned(self, r: int, src: Tensor, dst: Tensor) -> None:
-        """Renumbers part ``r``'s owned nodes in :func:`locality_order` (or :func:`rcm_order`)
-        of their edges."""
-        owned = self._owned_ascending(r)  # local_id[owned] is still 0..n-1 here
-        number = locality_order if self.node_order == "locality" else rcm_order
-        order = number(self.local_id[src], self.local_id[dst], owned.numel())
-        self.local_id[owned[order]] = torch.arange(owned.numel())
+    def _start_part(self, r: int) -> _PendingPart:
+        """Part ``r``'s edges: starts the numbering of its owned nodes (in a forked child when
+        several run at once and the part is large enough for METIS) and finds its halo,
+        ascending global id grouped by owner rank."""
+        e = self._edges_of(r)
+        s = self.src[e]
+        d = self.dst[e] if self.node_order != "global" else None
+        del e
+        remote = self._parts_small[s] != r
+        order: ForkedCall | Tensor | None = None
+        if d is not None:
+            # local_id[owned of r] is still 0..n-1 (ascending global id): numberings of other
+            # parts only write their own nodes' entries.
+            n = int(self.num_owned[r])
+            number = locality_order if self.node_order == "locality" else rcm_order
+            args = (self.local_id[s[~remote]], self.local_id[d[~remote]], n)
+            forked = (
+                self.order_workers > 1
+                and number is locality_order
+                and n > max(ORDER_BLOCK_ROWS, ORDER_MIN_ROWS)  # METIS, not rcm_order
+                and args[0].numel() >= ORDER_FORK_MIN_EDGES
+            )
+            order = ForkedCall(number, args, n) if forked else number(*args)
+            del args
+            d = d[remote]
+        s = s[remote]
+        del remote
+        # The halo sorted by (owner, global id), which is the all_to_all receive layout:
+        # marks over the N nodes, not a sort of the remote edges (linear time).
+        is_halo = self._is_halo
+        is_halo[s] = True
+        keys = is_halo.nonzero().view(-1)  # ascending global id
+        is_halo[keys] = False
+        owner = self.parts[keys]
+        by_owner = torch.argsort(owner, stable=True)
+        return _PendingPart(r, order, s, d, keys[by_owner], owner[by_owner])
+
+    def _finish_part(self, part: _PendingPart) -> None:
+        """Applies part ``r``'s numbering and orders its halo by first touch."""
+        r, keys, owner = part.rank, part.keys, part.owner
+        if part.order is not None:
+            order = part.order
+            if isinstance(order, ForkedCall):
+                call, order = order, order.result()
+                self.order_child_peak_bytes.append(call.private_peak_bytes)
+                del call
+            owned = self._owned_ascending(r)
+            self.local_id[owned[order]] = torch.arange(owned.numel())
+            del order, owned
+            if keys.numel():
+                # First touch: the smallest local id of an owned node each halo row feeds.
+                inverse = self._positions(keys)[part.remote_src]
+                first = torch.full((keys.numel(),), int(self.num_owned[r]), dtype=torch.long)
+                first.scatter_reduce_(0, inverse, self.local_id[part.remote_dst], reduce="amin")
+                del inverse
+                by_first = torch.argsort(first, stable=True)  # ties keep ascending global id
+                del first
+                by_first = by_first[torch.argsort(owner[by_first], stable=True)]
+                keys, owner = keys[by_first], owner[by_first]
+        self.halos.append(keys)
+        self._halo_counts.append(torch.bincount(owner, minlength=self.num_parts))
 
     def _positions(self, ids: Tensor) -> Tensor:
         """``[N]`` table with ``table[ids[k]] = k`` (other entries undefined): a lookup that

@@ -395,6 +395,32 @@ def test_scale_report_fits_the_host_read_reference_and_partition_phases(monkeypa
     assert rec["count"] == 5000 and rec["random_ns"] > 0 and rec["ascending_ns"] > 0
 
 
+def test_scale_partition_repeats_keep_the_median_run(tmp_path, monkeypatch) -> None:
+    """``--partition-repeats 3`` partitions a size twice more on cold caches of their own
+    (removed afterwards) and keeps the run of median time, whose phases then feed the fits,
+    with every run's seconds listed and printed; the shared cache's folder stays the one
+    the training uses.  Negative control: keeping the last run instead reports 9.0 s."""
+    import argparse
+
+    scale = _load("bench_scale")
+    times = iter([5.0, 9.0])
+    seen: list[Path] = []
+
+    def fake_partition(n, parts, cache, log, bound, malloc="default"):
+        seen.append(cache)
+        cache.mkdir(parents=True)
+        t = next(times)
+        return {"partition_seconds": t, "phase_seconds": {"plan": t}, "folder": str(cache / "x")}
+
+    monkeypatch.setattr(scale, "partition", fake_partition)
+    args = argparse.Namespace(partition_repeats=3, scale_ranks=4, malloc="thp")
+    first = {"partition_seconds": 7.0, "phase_seconds": {"plan": 7.0}, "folder": "shared/x"}
+    out = scale._median_partition(args, 100, first, tmp_path, tmp_path, None)
+    assert out["partition_seconds"] == 7.0 and out["repeats_seconds"] == [7.0, 5.0, 9.0]
+    assert out["folder"] == "shared/x" and len(seen) == 2 and not any(c.exists() for c in seen)
+    assert "(median of 7.0 / 5.0 / 9.0)" in scale._repeats_note(out)
+
+
 @pytest.mark.timeout(120)
 def test_locality_benchmark_compares_the_orders_on_the_same_part(tmp_path) -> None:
     """``bench_locality.py`` times the same part (same METIS assignment) in the three row

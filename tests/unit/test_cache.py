@@ -400,3 +400,69 @@ def test_write_partitions_keeps_a_valid_folder_and_replaces_an_invalid_one(tmp_p
     rewritten = cache_mod.write_partitions(result.folder, parts, meta)
     assert rewritten["created"] != manifest["created"] and load_part(result.folder, 1).plan.rank == 1
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name or ".trash-" in p.name] == []
+
+
+def test_reported_peak_covers_the_forked_orderings(tmp_path, monkeypatch) -> None:
+    """Parts numbered in forked children allocate memory this process's own high-water mark
+    never sees; ``forked_peak_mib`` adds the children that ran at once.  Each child here
+    writes 128 MiB before ordering, two run at once, so the bound is at least this process's
+    peak before planning plus 256 MiB.  Negative control: without the children's private
+    peaks the bound is this process's mark alone and the assertion fails."""
+    from lightning_fullgraph.partition import plan as plan_module
+
+    real = plan_module.locality_order
+
+    def heavy(src, dst, n):
+        block = torch.ones(128 * 2**20 // 8, dtype=torch.int64)
+        del block
+        return real(src, dst, n)
+
+    monkeypatch.setattr(plan_module, "locality_order", heavy)
+    monkeypatch.setattr(plan_module, "ORDER_MIN_ROWS", 0)  # fork the parts of this small graph
+    monkeypatch.setattr(plan_module, "ORDER_FORK_MIN_EDGES", 0)
+    monkeypatch.setattr(plan_module, "_order_workers", lambda *args: 2)
+    data = directed_graph(num_nodes=4000, num_edges=30_000, seed=4)
+    result = ensure_partitions(data, 2, cache_root=tmp_path)
+    assert result.rebuilt
+    assert result.forked_peak_mib >= result.peak_rss_mib["metis"] + 2 * 128, result
+
+
+def test_a_part_is_written_while_the_next_one_is_built(tmp_path, monkeypatch) -> None:
+    """Writing part r runs in a background thread while part r + 1 is built, and part r + 2
+    is built only once part r is written (two parts in memory at most); the files are the
+    parts, in rank order.  Building and saving are each slowed to 0.3 s and their intervals
+    recorded.  Negative controls: saving in the loop's own thread fails the overlap check;
+    submitting a write without waiting for the previous one fails the ordering check."""
+    from lightning_fullgraph.partition.plan import PartitionPlanner
+
+    data = directed_graph(num_nodes=300, num_edges=1500, seed=5)
+    planner = PartitionPlanner(data, torch.arange(300) % 4, 4)
+    build: list[tuple[float, float]] = []
+    save: list[tuple[float, float]] = []
+
+    def slow_parts():
+        for r in range(4):
+            t0 = time.monotonic()
+            time.sleep(0.3)
+            part = planner.part(r)
+            build.append((t0, time.monotonic()))
+            yield part
+
+    real_save = cache_mod._save_part
+
+    def slow_save(state, path):
+        t0 = time.monotonic()
+        time.sleep(0.3)
+        real_save(state, path)
+        save.append((t0, time.monotonic()))
+
+    monkeypatch.setattr(cache_mod, "_save_part", slow_save)
+    meta = {"fingerprint": "f" * 64, "method": "metis", "num_parts": 4, "seed": 0}
+    folder = tmp_path / "p"
+    manifest, adopted = cache_mod._write_and_publish(folder, slow_parts(), meta, meta, needed=1 << 20)
+    assert not adopted and [e["file"] for e in manifest["parts"]] == [f"part-{r:05d}.pt" for r in range(4)]
+    assert all(s0 < b1 and b0 < s1 for (s0, s1), (b0, b1) in zip(save[:-1], build[1:], strict=True)), (save, build)
+    assert all(b0 >= s1 for (_, s1), (b0, _) in zip(save[:-2], build[2:], strict=True)), (save, build)
+    for r in range(4):
+        loaded = load_part(folder, r)
+        assert loaded.plan.rank == r and torch.equal(loaded.data.edge_index, planner.part(r).data.edge_index)

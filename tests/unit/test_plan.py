@@ -206,8 +206,9 @@ def test_locality_order_keeps_a_small_world_part_in_cache_sized_blocks() -> None
     order puts about half of a part's owned-to-owned edges inside one block of
     ``ORDER_BLOCK_ROWS`` rows and halves the median distance many times over; reverse
     Cuthill-McKee's breadth-first levels span thousands of rows there.  Negative control:
-    with ``_number_owned`` calling ``rcm_order`` for "locality" too, the same-block share
-    falls to ~0.13 and the median distance to ~3.9k rows, and the assertions fail."""
+    with ``_start_part`` calling ``rcm_order`` for "locality" too, the same-block share
+    falls to ~0.13 and the median distance to ~3.9k rows, and the assertions fail.  (Its
+    parts are large enough to be numbered in forked children.)"""
     from lightning_fullgraph.generated import products_like_graph
 
     n = 40_000
@@ -249,3 +250,138 @@ def test_locality_order_is_a_deterministic_permutation() -> None:
     assert locality_order(src[:0], dst[:0], 0).numel() == 0
     loops = torch.arange(20)  # self-loops only: nothing for METIS to split
     assert torch.equal(locality_order(loops, loops, 20, block_rows=4, min_rows=0), torch.arange(20))
+
+
+def _plan_fields(planner: PartitionPlanner) -> list[dict]:
+    return [planner.part(r).state() for r in range(planner.num_parts)]
+
+
+def _assert_same_plan(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.keys() == y.keys()
+        for k in x:
+            if k == "data":
+                assert x[k].keys() == y[k].keys()
+                for kk in x[k]:
+                    u, v = x[k][kk], y[k][kk]
+                    assert torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v, kk
+            elif isinstance(x[k], torch.Tensor):
+                assert torch.equal(x[k], y[k]), k
+            else:
+                assert x[k] == y[k], k
+
+
+def test_large_parts_are_numbered_in_forked_children_at_once(monkeypatch, tmp_path) -> None:
+    """With ``order_workers=2`` every part above the METIS threshold is numbered in a process
+    other than this one, two of them at the same time, and the plan is the one numbered
+    here.  The numbering is wrapped to record its process id and running interval (and to
+    take 0.5 s, so overlapping runs are unmistakable).  Negative controls: numbering in this
+    process (``ForkedCall`` replaced by a direct call) fails the process check; finishing
+    each part before starting the next (no part in flight) fails the overlap check; without
+    the edge threshold the small parts at the end are forked too."""
+    import os
+    import time
+
+    from lightning_fullgraph.partition import plan as plan_module
+
+    real = plan_module.locality_order
+
+    def recording(src, dst, n):
+        start = time.monotonic()
+        time.sleep(0.5)
+        out = real(src, dst, n)
+        (tmp_path / f"{os.getpid()}-{n}-{time.monotonic_ns()}").write_text(f"{start} {time.monotonic()}")
+        return out
+
+    monkeypatch.setattr(plan_module, "locality_order", recording)
+    monkeypatch.setattr(plan_module, "ORDER_MIN_ROWS", 0)
+    monkeypatch.setattr(plan_module, "ORDER_FORK_MIN_EDGES", 0)  # fork parts of this small graph
+    data = directed_graph(num_nodes=4500, num_edges=40_000, seed=1)
+    parts = partition_graph(data.edge_index, data.num_nodes, 3)
+    assert int(torch.bincount(parts).min()) > ORDER_BLOCK_ROWS  # every part is forked
+
+    forked = PartitionPlanner(data, parts, 3, order_workers=2)
+    records = [(int(f.name.split("-")[0]), *map(float, f.read_text().split())) for f in tmp_path.iterdir()]
+    assert len(records) == 3 and forked.order_workers == 2 and len(forked.order_child_peak_bytes) == 3
+    assert all(pid != os.getpid() for pid, _, _ in records), records
+    intervals = sorted((a, b) for _, a, b in records)
+    assert any(intervals[i + 1][0] < intervals[i][1] for i in range(len(intervals) - 1)), intervals
+
+    for f in tmp_path.iterdir():
+        f.unlink()
+    here = PartitionPlanner(data, parts, 3, order_workers=1)
+    assert [int(f.name.split("-")[0]) for f in tmp_path.iterdir()] == [os.getpid()] * 3
+    assert here.order_child_peak_bytes == []
+    _assert_same_plan(_plan_fields(forked), _plan_fields(here))
+
+    # parts below ORDER_FORK_MIN_EDGES owned-to-owned edges are not worth a fork
+    for f in tmp_path.iterdir():
+        f.unlink()
+    monkeypatch.setattr(plan_module, "ORDER_FORK_MIN_EDGES", 1 << 21)
+    small = PartitionPlanner(data, parts, 3, order_workers=2)
+    assert [int(f.name.split("-")[0]) for f in tmp_path.iterdir()] == [os.getpid()] * 3
+    assert small.order_child_peak_bytes == []
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_forked_metis_numbering_gives_the_plan_numbered_here(monkeypatch, workers: int) -> None:
+    """The real METIS ordering (blocks of 64 rows, so the small parts of this test take the
+    METIS path) run in forked children gives the plan that ``order_workers=1`` computes in
+    this process, field for field, for 2 and 3 orderings in flight.  Negative control: the
+    child's result read one word off in the shared buffer, or the parts finished out of
+    rank order, makes the plans differ."""
+    import functools
+
+    from lightning_fullgraph.partition import plan as plan_module
+
+    monkeypatch.setattr(
+        plan_module, "locality_order", functools.partial(plan_module.locality_order, block_rows=64, min_rows=0)
+    )
+    monkeypatch.setattr(plan_module, "ORDER_MIN_ROWS", 0)
+    monkeypatch.setattr(plan_module, "ORDER_FORK_MIN_EDGES", 0)
+    monkeypatch.setattr(plan_module, "ORDER_BLOCK_ROWS", 64)
+    data = directed_graph(num_nodes=5000, num_edges=50_000, seed=2)
+    data.x = torch.randn(5000, 3)
+    parts = partition_graph(data.edge_index, data.num_nodes, 4)
+    forked = PartitionPlanner(data, parts, 4, order_workers=workers)
+    assert len(forked.order_child_peak_bytes) == 4
+    here = PartitionPlanner(data, parts, 4, order_workers=1)
+    _assert_same_plan(_plan_fields(forked), _plan_fields(here))
+    # and the order is METIS's blocks, not the identity
+    assert not torch.equal(here.local_id, PartitionPlanner(data, parts, 4, node_order="global").local_id)
+
+
+def test_a_daemonic_process_numbers_parts_itself(monkeypatch) -> None:
+    """A daemonic process may not start children: there the planner numbers the parts itself
+    (``order_workers`` 1) and succeeds.  Negative control: without the daemon check the
+    child's ``Process.start`` raises and the daemonic process exits with status 1."""
+    import multiprocessing
+
+    from lightning_fullgraph.partition import plan as plan_module
+
+    monkeypatch.setattr(
+        plan_module, "locality_order", __import__("functools").partial(plan_module.locality_order, block_rows=64)
+    )
+    monkeypatch.setattr(plan_module, "ORDER_MIN_ROWS", 0)
+    monkeypatch.setattr(plan_module, "ORDER_FORK_MIN_EDGES", 0)
+    data = directed_graph(num_nodes=3000, num_edges=20_000, seed=3)
+    parts = partition_graph(data.edge_index, data.num_nodes, 2)
+
+    def build() -> None:
+        planner = PartitionPlanner(data, parts, 2, order_workers=2)
+        raise SystemExit(0 if planner.order_workers == 1 else 3)
+
+    proc = multiprocessing.get_context("fork").Process(target=build, daemon=True)
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0
+
+
+def test_order_workers_is_validated() -> None:
+    """A clear error for a worker count that is not a positive int."""
+    data = directed_graph(num_nodes=50, num_edges=200, seed=0)
+    parts = partition_graph(data.edge_index, data.num_nodes, 2)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="order_workers"):
+            PartitionPlanner(data, parts, 2, order_workers=bad)
