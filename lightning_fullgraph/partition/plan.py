@@ -425,8 +425,8 @@ class PartitionPlanner:
         num_owned: ``[P]`` nodes each part owns.
         local_id: ``[N]`` every node's local id in its owner's block.
         halos: Global ids of each part's halo, grouped by owner rank, in the part's order.
-        order_workers: Parts numbered at once (1 where ``fork`` is unavailable or the order
-            is not ``"locality"``).
+        order_workers: Parts numbered at once (1 where ``fork`` is unavailable, in a daemonic
+            process, or when the order is not ``"locality"``).
         order_child_peak_bytes: Peak memory of every forked ordering beyond what it shared
             with this process (empty when none was forked).
     """
