@@ -180,13 +180,11 @@ def max_rss_mib() -> float:
 
     (Linux carries ``ru_maxrss`` across ``fork`` + ``exec``: a process started by a large
     parent reports the parent's peak until it exceeds it; ``VmHWM`` starts afresh.)"""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except (OSError, ValueError, IndexError):
-        pass
+    from lightning_fullgraph.partition.forked import status_kib
+
+    hwm = status_kib("VmHWM")
+    if hwm is not None:
+        return hwm / 1024.0
     try:
         import resource
     except ImportError:  # pragma: no cover - Windows

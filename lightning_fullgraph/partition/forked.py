@@ -24,6 +24,7 @@ from __future__ import annotations
 import mmap
 import multiprocessing
 import os
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["ForkedCall", "can_fork"]
+__all__ = ["ForkedCall", "can_fork", "status_kib"]
 
 # Header words of the shared buffer: status (0 running, 1 done, 2 failed), the child's private
 # peak in bytes, the result's length.
@@ -43,28 +44,35 @@ _MESSAGE_BYTES = 4096
 
 
 def can_fork() -> bool:
-    """Whether this platform offers the ``fork`` start method."""
-    return "fork" in multiprocessing.get_all_start_methods()
+    """Whether calls are forked here: on Linux only, where ``fork`` is the default start method
+    and ``/proc`` reports a child's memory (macOS offers ``fork`` but makes ``spawn`` the
+    default because forking a process with threads is unsafe there)."""
+    return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
+def status_kib(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` (``"VmRSS"``, ``"VmHWM"``); ``None`` where it
+    cannot be read."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _child(fn: Callable[..., Tensor], args: tuple[Any, ...], buf: mmap.mmap, length: int) -> None:
     words = np.frombuffer(buf, dtype=np.int64)
     try:
-        shared_kib = _status_kib("VmRSS")  # what the fork left mapped, shared with the parent
+        shared_kib = status_kib("VmRSS") or 0  # what the fork left mapped, shared with the parent
         torch.set_num_threads(1)  # one core per child: the parent runs the others
         out = fn(*args)
         if out.dtype != torch.int64 or out.shape != (length,):
             raise ValueError(f"the call returned {out.dtype} {list(out.shape)}, expected int64 [{length}]")
         words[_HEADER : _HEADER + length] = out.numpy()
-        words[1] = max(0, _status_kib("VmHWM") - shared_kib) * 1024
+        words[1] = max(0, (status_kib("VmHWM") or 0) - shared_kib) * 1024
         words[0] = _DONE
     except BaseException:
         message = traceback.format_exc().encode()[-_MESSAGE_BYTES:]

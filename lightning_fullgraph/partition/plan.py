@@ -348,8 +348,8 @@ def iter_local_partitions(
 
 def _order_workers(order_workers: int | None, num_parts: int, node_order: str) -> int:
     """Parts numbered at once: ``order_workers``, or the CPUs this process may use; at most one
-    per part, and one where nothing is forked (no ``fork``, a daemonic process, an order
-    other than ``"locality"``)."""
+    per part, and one where nothing is forked (not Linux, see :func:`~lightning_fullgraph.
+    partition.forked.can_fork`; a daemonic process; an order other than ``"locality"``)."""
     if order_workers is None:
         try:
             order_workers = len(os.sched_getaffinity(0))
@@ -425,8 +425,8 @@ class PartitionPlanner:
         num_owned: ``[P]`` nodes each part owns.
         local_id: ``[N]`` every node's local id in its owner's block.
         halos: Global ids of each part's halo, grouped by owner rank, in the part's order.
-        order_workers: Parts numbered at once (1 where ``fork`` is unavailable, in a daemonic
-            process, or when the order is not ``"locality"``).
+        order_workers: Parts numbered at once (1 off Linux, in a daemonic process, or when the
+            order is not ``"locality"``).
         order_child_peak_bytes: Peak memory of every forked ordering beyond what it shared
             with this process (empty when none was forked).
     """

@@ -65,3 +65,15 @@ def test_private_peak_is_what_the_child_allocated() -> None:
     assert int(call.result()[0]) == 1
     mib = call.private_peak_bytes / 2**20
     assert 192 <= mib < 192 + 96, mib
+
+
+def test_calls_are_forked_on_linux_only(monkeypatch) -> None:
+    """macOS offers ``fork`` but forking a threaded process is unsafe there and ``/proc`` is
+    missing, so the planner numbers parts in its own process.  Negative control: without the
+    platform check ``can_fork`` is true on "darwin" and the planner would fork."""
+    from lightning_fullgraph.partition.plan import _order_workers
+
+    assert can_fork() and _order_workers(4, 4, "locality") == 4
+    monkeypatch.setattr("sys.platform", "darwin")
+    assert not can_fork()
+    assert _order_workers(4, 4, "locality") == 1
