@@ -14,6 +14,7 @@ and ``<out>/<name>.png``::
     python benchmarks/run.py --graph tolokers --ranks 4 --link 1gbit --name tolokers-1g
     python benchmarks/run.py --graph community --nodes 300000 --ranks 2,4 --link 10gbit
     python benchmarks/run.py --render benchmarks/results/quick.json   # redraw .md/.png only
+    python benchmarks/run.py --convergence --graphs lowloc,cora --link 1gbit   # time to accuracy
 
 Every configuration runs in a fresh ``python benchmarks/run.py --worker SPEC`` process that
 launches the Lightning Trainer (CPU, gloo, ``start_method="fork"``, one thread per rank).  With
@@ -767,6 +768,11 @@ def run_peers(args: argparse.Namespace, graph: dict[str, Any], graph_path: Path,
 # -- main ------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "--convergence" in argv:
+        # time to accuracy: its own runs and report (benchmarks/bench_convergence.py)
+        from bench_convergence import main as convergence_main
+
+        return convergence_main([a for a in argv if a != "--convergence"])
     if argv[:1] == ["--worker"]:
         from bench_worker import main as worker_main
 

@@ -20,6 +20,7 @@ would interleave with halo traffic issued from autograd.
 from __future__ import annotations
 
 import logging
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -88,9 +89,16 @@ class FullGraphStrategy(DDPStrategy):
             synchronous, so at most ``eps - 1`` consecutive epochs use one-epoch-old values.
         smoothing: PipeGCN momentum ``gamma`` for stale values (sylvie; ``None``: off).
         smooth: ``"features"``, ``"gradients"`` or ``"both"`` (what smoothing applies to).
-        epoch_adaptive: Sylvie's epoch-adaptive rule on the global training loss (see
-            :class:`~lightning_fullgraph.comm.policy.SylviePolicy`).
-        adaptive_tolerance: Relative loss improvement below which the loss counts as stalled.
+        epoch_adaptive: Sylvie's Bounded Staleness Adaptor on the global training loss's rate
+            of decrease per second (see :class:`~lightning_fullgraph.comm.policy.SylviePolicy`).
+        adaptive_window: Epochs of monotone slowdown / speed-up the adaptor waits for.
+        guard: Sylvie's divergence guard (default 0.1): after an epoch on stale values, a
+            global training loss this much (relative) above its best turns the pipeline off
+            for ``guard_cooldown`` epochs, doubling each time; ``False`` turns it off.
+        guard_cooldown: Synchronous epochs after the guard's first reaction (default 10).
+        max_halo_share: Sylvie pipelines only while halo rows are less than this share of the
+            graph's aggregation inputs (default 0.5); above it every epoch is synchronous at
+            ``bits`` (where measured, the stale pipeline collapsed training there).
         assign_every: Epochs between bit-width re-assignments (adaptive bits).
         first_assign: Epoch of the first assignment (adaptive bits; default 5).
         lambda_: Weight of variance against time in the assignment objective, in [0, 1].
@@ -147,7 +155,10 @@ class FullGraphStrategy(DDPStrategy):
         smoothing: float | None = None,
         smooth: Literal["features", "gradients", "both"] | None = None,
         epoch_adaptive: bool | None = None,
-        adaptive_tolerance: float | None = None,
+        adaptive_window: int | None = None,
+        guard: float | bool | None = None,
+        guard_cooldown: int | None = None,
+        max_halo_share: float | None = None,
         assign_every: int | None = None,
         first_assign: int | None = None,
         lambda_: float | None = None,
@@ -167,7 +178,8 @@ class FullGraphStrategy(DDPStrategy):
     ) -> None:
         settings = {
             "bits": bits, "staleness": staleness, "smoothing": smoothing, "smooth": smooth,
-            "epoch_adaptive": epoch_adaptive, "adaptive_tolerance": adaptive_tolerance,
+            "epoch_adaptive": epoch_adaptive, "adaptive_window": adaptive_window,
+            "guard": guard, "guard_cooldown": guard_cooldown, "max_halo_share": max_halo_share,
             "assign_every": assign_every, "first_assign": first_assign, "lambda_": lambda_,
             "group_size": group_size, "link_costs": link_costs, "seed": seed,
         }
@@ -214,6 +226,10 @@ class FullGraphStrategy(DDPStrategy):
         self._partition: LocalPartition | None = None
         self._partition_id: dict[str, Any] = {}
         self._in_step = False
+        self._step_started = 0.0
+        self._epochs_run = 0
+        #: Halo rows' share of the aggregation inputs of the whole graph (set at setup).
+        self.halo_share = 0.0
         #: Figures of the last training step's policy decisions (assignment time, global
         #: loss...), read by the metrics callback.
         self.step_figures: dict[str, float] = {}
@@ -283,6 +299,7 @@ class FullGraphStrategy(DDPStrategy):
             value = partition.data[key]
             if isinstance(value, Tensor) and value.dim() > 0 and value.size(0) == plan.num_owned:
                 self._exchanger.register_static(value)
+        self.halo_share = self._halo_share(partition.data.edge_index, plan.num_owned)
         fitting = trainer.state.fn == TrainerFn.FITTING
         max_epochs = trainer.max_epochs if fitting else None
         self.policy.setup(
@@ -293,6 +310,7 @@ class FullGraphStrategy(DDPStrategy):
                 control=self._exchanger.transport.control,
                 fitting=fitting,
                 final_epoch=max_epochs - 1 if max_epochs is not None and max_epochs >= 0 else None,
+                halo_share=self.halo_share,
             )
         )
         if self._pending_state is not None:
@@ -348,6 +366,17 @@ class FullGraphStrategy(DDPStrategy):
             raise ValueError(f"no node anywhere is set in `{self.mask_key}`: there is nothing to train on")
         return float(local) / float(total)
 
+    def _halo_share(self, edge_index: Tensor, num_owned: int) -> float:
+        """The share of halo rows among the aggregation inputs of the whole graph: edges whose
+        source is a halo row, over all edges plus one self term per node (GCN's self-loop, SAGE's
+        root term).  A collective: every rank gets the same figure."""
+        halo = float((edge_index[0] >= num_owned).sum()) if edge_index.numel() else 0.0
+        counts = torch.tensor([halo, float(edge_index.size(1) + num_owned)], dtype=torch.float64)
+        if self.world_size > 1:
+            counts = counts.to(self.root_device)
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+        return float(counts[0] / counts[1]) if float(counts[1]) > 0 else 0.0
+
     @override
     def configure_ddp(self) -> None:
         # No DDP wrapper (see module docstring); start every rank from rank 0's weights.
@@ -366,6 +395,7 @@ class FullGraphStrategy(DDPStrategy):
             self.step_figures = dict(self.policy.on_train_epoch_start(epoch))
             exchanger.begin_step(training=True)
             self._in_step = True
+            self._step_started = time.perf_counter()
         self._set_log_batch_size("train_mask")
         return super().training_step(*args, **kwargs)
 
@@ -422,13 +452,20 @@ class FullGraphStrategy(DDPStrategy):
             self._in_step = False
             self._exchanger.begin_step(training=False)
             assert self.lightning_module is not None
-            loss = None
+            loss = seconds = None
             if self.policy.needs_global_loss and self._step_loss is not None:
-                total = self._step_loss.reshape(1).to(self.root_device, torch.float64)
+                # the loss and the step's time in one collective: every rank then decides alike
+                elapsed = time.perf_counter() - self._step_started
+                total = torch.stack([
+                    self._step_loss.reshape(()).to(self.root_device, torch.float64),
+                    torch.tensor(elapsed / self.world_size, dtype=torch.float64, device=self.root_device),
+                ])
                 if self.world_size > 1:
                     dist.all_reduce(total, op=dist.ReduceOp.SUM)
-                loss = float(total)
-            self.step_figures.update(self.policy.on_train_epoch_end(self.lightning_module.current_epoch, loss))
+                loss, seconds = (float(v) for v in total.tolist())
+            epoch = self.lightning_module.current_epoch
+            self.step_figures.update(self.policy.on_train_epoch_end(epoch, loss, seconds))
+            self._epochs_run = epoch + 1
 
     def _all_reduce_gradients(self) -> None:
         assert self.lightning_module is not None
@@ -515,6 +552,11 @@ class FullGraphStrategy(DDPStrategy):
         try:
             # after SIGTERM/SIGINT a peer may be gone: forget transfers in flight, never wait
             self.policy.teardown(failed=self._failed or signalled)
+            if self._epochs_run and not (self._failed or signalled):
+                summary = self.policy.summary(self._epochs_run)
+                if summary is not None:
+                    rank_zero_warn(summary)
+            self._epochs_run = 0
             if self._adapters is not None:
                 uninstall_adapters(self._adapters)
                 self._adapters = None

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_fullgraph import FullGraphDataModule
 from lightning_fullgraph.partition.cache import FORMAT_VERSION
 from lightning_fullgraph.strategy import CHECKPOINT_KEY
-from tests.helpers import NodeClassifier, cpu_trainer, directed_graph
+from tests.helpers import PIPELINED, NodeClassifier, cpu_trainer, directed_graph
 
 MODES = {
     "exact": {"mode": "exact"},
@@ -23,9 +23,9 @@ MODES = {
     # are two runs, so they share nominal links here
     "adaqp": {"mode": "adaqp", "first_assign": 2, "assign_every": 2, "group_size": 4, "link_costs": "uniform"},
     "adaqp-4bit": {"mode": "adaqp", "bits": 4},
-    "sylvie": {"mode": "sylvie", "staleness": 3, "smoothing": 0.5},
-    "sylvie-adaptive": {"mode": "sylvie", "staleness": 3, "smoothing": 0.5, "epoch_adaptive": True,
-                        "adaptive_tolerance": 0.05},
+    "sylvie": {"mode": "sylvie", **PIPELINED, "staleness": 3, "smoothing": 0.5},
+    "sylvie-adaptive": {"mode": "sylvie", **PIPELINED, "staleness": 3, "smoothing": 0.5, "epoch_adaptive": True,
+                        "adaptive_window": 2},
 }
 EPOCHS = 7
 
@@ -129,7 +129,7 @@ class _ExpectPolicyState(pl.Callback):
                 assert "compression state" in said[0] and "reset" in said[0]
 
 
-_SYLVIE = {"mode": "sylvie", "staleness": 3}
+_SYLVIE = {"mode": "sylvie", **PIPELINED, "staleness": 3}
 
 
 def _sylvie_checkpoint_on_two_ranks(tmp_path) -> Path:

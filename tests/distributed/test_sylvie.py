@@ -13,6 +13,7 @@ import torch
 
 from lightning_fullgraph import FullGraphDataModule
 from tests.helpers import (
+    PIPELINED,
     NodeClassifier,
     cpu_trainer,
     directed_graph,
@@ -57,7 +58,7 @@ def test_no_transfer_is_thrown_away(eps: int, tmp_path) -> None:
     assertion for eps >= 2."""
     data = directed_graph(seed=21)
     trainer = cpu_trainer(3, max_epochs=7, callbacks=[_RecordSchedule()],
-                          strategy_kwargs={"mode": "sylvie", "staleness": eps})
+                          strategy_kwargs={"mode": "sylvie", **PIPELINED, "staleness": eps})
     trainer.fit(NodeClassifier(conv="sage", num_layers=3), datamodule=FullGraphDataModule(data, cache_dir=tmp_path))
     assert float(trainer.callback_metrics["comm/bits"]) == 1.0
 
@@ -68,7 +69,7 @@ def test_eps_one_with_32_bit_messages_equals_exact(conv: str, tmp_path) -> None:
     torch.manual_seed(0)
     model = NodeClassifier(conv=conv, num_layers=3)
     expected = reference_training(copy.deepcopy(model), data, 4)
-    trainer = cpu_trainer(3, max_epochs=4, strategy_kwargs={"mode": "sylvie", "staleness": 1, "bits": 32})
+    trainer = cpu_trainer(3, max_epochs=4, strategy_kwargs={"mode": "sylvie", **PIPELINED, "staleness": 1, "bits": 32})
     trainer.fit(model, datamodule=FullGraphDataModule(data, cache_dir=tmp_path))
     for key in expected:
         torch.testing.assert_close(model.state_dict()[key], expected[key])
@@ -80,7 +81,7 @@ def test_async_epochs_actually_differ_from_exact(tmp_path) -> None:
     torch.manual_seed(0)
     model = NodeClassifier(conv="sage", num_layers=3)
     expected = reference_training(copy.deepcopy(model), data, 4)
-    trainer = cpu_trainer(3, max_epochs=4, strategy_kwargs={"mode": "sylvie", "staleness": 4, "bits": 32})
+    trainer = cpu_trainer(3, max_epochs=4, strategy_kwargs={"mode": "sylvie", **PIPELINED, "staleness": 4, "bits": 32})
     trainer.fit(model, datamodule=FullGraphDataModule(data, cache_dir=tmp_path))
     assert any(not torch.allclose(model.state_dict()[k], expected[k]) for k in expected)
 
@@ -103,7 +104,7 @@ class _StopEarly(pl.Callback):
 def test_early_stop_ends_cleanly(tmp_path) -> None:
     start = time.monotonic()
     trainer = cpu_trainer(2, max_epochs=50, callbacks=[_StopEarly(), _ThreadCheck()],
-                          strategy_kwargs={"mode": "sylvie", "staleness": 5})
+                          strategy_kwargs={"mode": "sylvie", **PIPELINED, "staleness": 5})
     trainer.fit(NodeClassifier(conv="gcn"), datamodule=FullGraphDataModule(directed_graph(), cache_dir=tmp_path))
     assert time.monotonic() - start < 60
 
@@ -118,7 +119,7 @@ class _Explodes(NodeClassifier):
 def test_exception_in_an_async_epoch_fails_fast(tmp_path) -> None:
     start = time.monotonic()
     with pytest.raises(Exception, match="boom in an asynchronous epoch|another rank stopped taking part in the halo exchange"):
-        cpu_trainer(2, max_epochs=6, strategy_kwargs={"mode": "sylvie", "staleness": 5}).fit(
+        cpu_trainer(2, max_epochs=6, strategy_kwargs={"mode": "sylvie", **PIPELINED, "staleness": 5}).fit(
             _Explodes(), datamodule=FullGraphDataModule(directed_graph(), cache_dir=tmp_path)
         )
     assert time.monotonic() - start < 60
@@ -144,11 +145,13 @@ def test_epoch_adaptive_rule_with_a_rank_without_training_nodes(tmp_path) -> Non
     reads, so the rule sees a finite loss and raises the bits when it stalls.
 
     Negative control: contributing ``loss * 0`` (NaN for a mean over no node) makes the global
-    loss NaN; every comparison with NaN counts as "improved", so bits only ever halve (stay at
-    1) and ``comm/global_loss`` is never logged (non-finite figures are skipped)."""
+    loss NaN; the adaptor skips a non-finite loss, so the bits never rise above 1 and
+    ``comm/global_loss`` is never logged (non-finite figures are skipped)."""
     data = without_training_nodes_on_last_rank(directed_graph(seed=5), 3)
-    trainer = cpu_trainer(3, max_epochs=6, callbacks=[_RecordAdaptive()], strategy_kwargs={
-        "mode": "sylvie", "staleness": 3, "smoothing": 0.9, "epoch_adaptive": True, "adaptive_tolerance": 0.5})
+    # (the adaptor reads rates from epoch 9 on; a window of 2 reacts to one slower epoch)
+    trainer = cpu_trainer(3, max_epochs=14, callbacks=[_RecordAdaptive()], strategy_kwargs={
+        "mode": "sylvie", **PIPELINED, "staleness": 3, "smoothing": 0.9, "epoch_adaptive": True,
+        "adaptive_window": 2})
     trainer.fit(_MeanLoss(conv="sage"), datamodule=FullGraphDataModule(data, cache_dir=tmp_path))
 
 
@@ -170,7 +173,7 @@ def test_sylvie_with_adaptive_bits_assigns_inside_the_pipeline(tmp_path) -> None
     ``comm/bits`` at 8 after the assignment and fails the first assertion."""
     data = directed_graph(num_nodes=300, num_edges=2400, num_features=8, seed=3)
     trainer = cpu_trainer(2, max_epochs=5, callbacks=[_RecordAdaptiveBits()], strategy_kwargs={
-        "mode": "sylvie", "bits": "adaptive", "staleness": 5, "first_assign": 1, "assign_every": 2,
+        "mode": "sylvie", **PIPELINED, "bits": "adaptive", "staleness": 5, "first_assign": 1, "assign_every": 2,
         "link_costs": "uniform", "group_size": 10})
     trainer.fit(NodeClassifier(conv="gcn", num_layers=3, hidden=32), datamodule=FullGraphDataModule(data, cache_dir=tmp_path))
 
@@ -206,7 +209,7 @@ def test_evaluation_never_disturbs_the_pipeline(tmp_path) -> None:
         torch.manual_seed(0)
         model = _WithValidation(conv="sage", num_layers=3)
         trainer = cpu_trainer(3, max_epochs=6, limit_val_batches=val_batches,
-                              strategy_kwargs={"mode": "sylvie", "staleness": 3})
+                              strategy_kwargs={"mode": "sylvie", **PIPELINED, "staleness": 3})
         trainer.fit(model, datamodule=FullGraphDataModule(data, cache_dir=tmp_path))
         results.append({k: v.clone() for k, v in model.state_dict().items()})
     for key in results[0]:
@@ -248,5 +251,5 @@ def test_stale_blocks_are_kept_encoded(tmp_path) -> None:
     closure, as before) holds exactly their float32 size and fails."""
     data = directed_graph(seed=23)
     trainer = cpu_trainer(3, max_epochs=5, callbacks=[_RecordKeptBytes()],
-                          strategy_kwargs={"mode": "sylvie", "staleness": 3})
+                          strategy_kwargs={"mode": "sylvie", **PIPELINED, "staleness": 3})
     trainer.fit(NodeClassifier(conv="sage", num_layers=3), datamodule=FullGraphDataModule(data, cache_dir=tmp_path))

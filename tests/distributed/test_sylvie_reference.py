@@ -67,6 +67,7 @@ from lightning_fullgraph import FullGraphDataModule
 from lightning_fullgraph.partition.cache import load_part
 from lightning_fullgraph.partition.plan import LocalPartition
 from tests.helpers import (
+    PIPELINED,
     NodeClassifier,
     cpu_trainer,
     directed_graph,
@@ -308,7 +309,7 @@ class _TrafficProbe(pl.Callback):
 def _distributed(model: NodeClassifier, data: Data, cache_dir: Path, eps: int, smoothing: float | None):
     probe = _TrafficProbe(eps)
     trainer = cpu_trainer(WORLD, max_epochs=EPOCHS, callbacks=[probe], strategy_kwargs={
-        "mode": "sylvie", "bits": 32, "staleness": eps, "smoothing": smoothing})
+        "mode": "sylvie", **PIPELINED, "bits": 32, "staleness": eps, "smoothing": smoothing})
     trainer.fit(model, datamodule=FullGraphDataModule(data, cache_dir=cache_dir))
     return model.state_dict(), trainer.callback_metrics
 

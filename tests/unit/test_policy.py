@@ -45,6 +45,10 @@ def _env(plan: HaloPlan, final_epoch: int | None = None) -> PolicyEnv:
         (SylviePolicy, {"smoothing": 1.0}, "smoothing"),
         (SylviePolicy, {"smooth": "weights"}, "smooth="),
         (SylviePolicy, {"bits": "adaptive", "epoch_adaptive": True}, "epoch_adaptive"),
+        (SylviePolicy, {"guard": -0.1}, "guard"),
+        (SylviePolicy, {"guard_cooldown": 0}, "guard_cooldown"),
+        (SylviePolicy, {"max_halo_share": 0.0}, "max_halo_share"),
+        (SylviePolicy, {"epoch_adaptive": True, "adaptive_window": 1}, "adaptive_window"),
     ],
 )
 def test_settings_are_validated_at_construction(cls, kwargs, match) -> None:
@@ -106,29 +110,105 @@ def test_sylvie_schedule_sends_only_what_is_consumed() -> None:
     assert schedule == [(S, False), (A, True), (A, False), (S, False), (A, True), (A, False), (S, False)]
 
 
-def test_epoch_adaptive_decides_bits_for_next_epoch_and_schedule_two_ahead() -> None:
-    """A stalled loss at the end of epoch t doubles the bits from t+1 and makes t+2
-    synchronous; epoch t+1 therefore knows not to send.
+def _run_epoch(policy: SylviePolicy, epoch: int, loss: float | None, seconds: float = 1.0) -> tuple[bool, bool]:
+    policy.on_train_epoch_start(epoch)
+    decided = (policy.synchronous, policy.launch)
+    policy.on_train_epoch_end(epoch, loss, seconds)
+    return decided
 
-    Negative control: forcing epoch t+1 synchronous instead would throw away what epoch t
-    sent; the assertions on ``launch`` and ``synchronous`` fail."""
-    policy = SylviePolicy(staleness=100, epoch_adaptive=True, adaptive_tolerance=0.1)
+
+def test_adaptor_raises_bits_and_stops_the_pipeline_from_the_next_epoch() -> None:
+    """Sylvie's Bounded Staleness Adaptor: a monotone slowdown of the loss's decrease per
+    second over the window doubles the bits and makes the very next epoch synchronous, so the
+    raised bits reach the wire at once; a monotone speed-up halves them and turns the pipeline
+    back on; a noisy rate changes nothing.
+
+    Negative control: deciding for epoch t+2 (the superseded rule) leaves epoch t+1
+    asynchronous and the assertion on its schedule fails."""
+    # momentum 0: the rates are those of the raw losses; decreases 0.5, 0.4, 0.3 per epoch
+    # (1 s each) give three falling rates at epoch 3
+    fresh = SylviePolicy(staleness=100, epoch_adaptive=True, adaptive_window=3, guard=False)
+    fresh.setup(_env(_plan()))
+    fresh.adaptor.start, fresh.adaptor.momentum = 1, 0.0
+    schedule = [_run_epoch(fresh, e, loss) for e, loss in enumerate([10.0, 9.5, 9.1, 8.8])]
+    assert [s for s, _ in schedule] == [True, False, False, False]
+    assert not fresh.pipelined and fresh.uniform_bits == 2
+    assert _run_epoch(fresh, 4, 8.7) == (True, False)  # the next epoch: synchronous at 2 bits
+    assert fresh.message_bits(0, "forward")[0].unique().tolist() == [2]
+    # a noisy rate: nothing changes
+    _run_epoch(fresh, 5, 8.5)
+    _run_epoch(fresh, 6, 8.45)
+    assert not fresh.pipelined and fresh.uniform_bits == 2
+    # speeding up (rates 0.05 -> 0.1 -> 0.2 -> 0.4): bits halve, pipeline back on next epoch
+    for e, loss in zip(range(7, 10), [8.35, 8.15, 7.75]):
+        _run_epoch(fresh, e, loss)
+    assert fresh.pipelined and fresh.uniform_bits == 1
+    assert _run_epoch(fresh, 10, 7.0)[0] is False
+
+
+def test_guard_runs_the_next_epochs_synchronous_after_a_rise_under_stale_values() -> None:
+    """A loss more than ``guard`` above its best after an asynchronous epoch makes the next
+    ``guard_cooldown`` epochs synchronous, then pipelines again; the second reaction's cooldown
+    is twice as long; a rise in a synchronous stretch is not the pipeline's doing.
+
+    Negative control: without the guard (``guard=False``) epoch 4 is asynchronous and the
+    schedule assertion fails."""
+    policy = SylviePolicy(staleness=100, guard=0.1, guard_cooldown=2)
     policy.setup(_env(_plan()))
-    policy.on_train_epoch_start(0)
-    policy.on_train_epoch_end(0, 1.0)
-    policy.on_train_epoch_start(1)
-    assert not policy.synchronous and policy.launch
-    policy.on_train_epoch_end(1, 0.99)  # < 10 % better: stalled
-    assert policy.uniform_bits == 2
-    policy.on_train_epoch_start(2)
-    assert not policy.synchronous and not policy.launch  # epoch 3 will be synchronous
-    policy.on_train_epoch_end(2, 0.5)  # improved: halve, stay asynchronous
-    assert policy.uniform_bits == 1
-    policy.on_train_epoch_start(3)
-    assert policy.synchronous
-    policy.on_train_epoch_end(3, 0.4)
-    policy.on_train_epoch_start(4)
-    assert not policy.synchronous
+    losses = [2.0, 1.8, 1.7, 2.0, 1.6, 1.5, 1.4, 1.2, 1.5, 1.9, 1.3, 1.2, 1.1, 1.0]
+    schedule = [_run_epoch(policy, e, loss)[0] for e, loss in enumerate(losses)]
+    S, A = True, False
+    #            0  1  2  3  4  5  6  7  8  9  10 11 12 13
+    assert schedule == [S, A, A, A, S, S, A, A, A, S, S, S, S, A]
+    assert [(r.epoch, r.until) for r in policy.guard.reactions] == [(3, 5), (8, 12)]
+    assert "rose 25% above its best (1.2 -> 1.5)" in policy.guard.reactions[1].message(None)
+    assert "2 time(s)" in policy.summary(len(losses))
+
+
+def test_guard_off_and_rise_under_synchronous_training_do_not_react() -> None:
+    """``guard=False`` never forces an epoch; with the guard, a loss rise while every epoch is
+    synchronous (``staleness=1``) is no reaction.
+
+    Negative control: ignoring whether stale values were used reacts at epoch 1."""
+    off = SylviePolicy(staleness=100, guard=False)
+    off.setup(_env(_plan()))
+    assert [_run_epoch(off, e, loss)[0] for e, loss in enumerate([1.0, 5.0, 9.0])] == [True, False, False]
+    sync = SylviePolicy(staleness=1, guard=0.1)
+    sync.setup(_env(_plan()))
+    for e, loss in enumerate([1.0, 5.0, 9.0]):
+        _run_epoch(sync, e, loss)
+    assert sync.guard.reactions == [] and sync.summary(3) is None
+
+
+def test_guard_ignores_the_relative_noise_of_a_loss_near_zero() -> None:
+    """Late in training a loss of 0.010 that reads 0.013 next epoch (+30 %) is noise, not
+    divergence: the rise must exceed ``guard`` times a tenth of the first loss (2.0 here).
+
+    Negative control: the purely relative test (``loss > 1.1 * best``) reacts at epoch 3."""
+    policy = SylviePolicy(staleness=100, guard=0.1)
+    policy.setup(_env(_plan()))
+    for e, loss in enumerate([2.0, 0.5, 0.010, 0.013, 0.011]):
+        _run_epoch(policy, e, loss)
+    assert policy.guard.reactions == []
+    _run_epoch(policy, 5, 0.05)  # +0.04 > 0.1 * 0.2: divergence
+    assert [r.epoch for r in policy.guard.reactions] == [5]
+
+
+@pytest.mark.parametrize(("share", "pipelined"), [(0.19, True), (0.2, False), (0.55, False)])
+def test_a_large_halo_share_runs_every_epoch_synchronous(share: float, pipelined: bool) -> None:
+    """At or above ``max_halo_share`` the pipeline is off from epoch 0 (still at ``bits``);
+    ``max_halo_share=1.0`` pipelines anyway.
+
+    Negative control: ignoring the share makes epoch 1 asynchronous at 0.55 and fails."""
+    policy = SylviePolicy(staleness=5)
+    env = _env(_plan())
+    env.halo_share = share
+    policy.setup(env)
+    assert [_run_epoch(policy, e, None)[0] for e in range(3)] == [True, not pipelined, not pipelined]
+    assert policy.message_bits(1, "forward")[0].unique().tolist() == [1]
+    anyway = SylviePolicy(staleness=5, max_halo_share=1.0)
+    anyway.setup(env)
+    assert [_run_epoch(anyway, e, None)[0] for e in range(2)] == [True, False]
 
 
 def test_state_round_trips_and_pickles_without_the_process_group() -> None:
@@ -136,18 +216,20 @@ def test_state_round_trips_and_pickles_without_the_process_group() -> None:
     numbers and keeps the schedule decisions; pickling drops the environment (like
     ``PowerSGDState.__getstate__`` drops the process group)."""
     plan = _plan()
-    policy = SylviePolicy(staleness=100, epoch_adaptive=True)
+    policy = SylviePolicy(staleness=100, epoch_adaptive=True, guard_cooldown=3)
     policy.setup(_env(plan))
-    policy.on_train_epoch_start(0)
-    policy.on_train_epoch_end(0, 1.0)
-    policy.on_train_epoch_end(1, 1.0)  # stalled: epoch 3 forced synchronous
+    for epoch, loss in enumerate([1.0, 0.9, 1.2]):  # the guard reacts at epoch 2
+        _run_epoch(policy, epoch, loss)
+    policy.pipelined, policy.uniform_bits = False, 2  # as the adaptor leaves them
     torch.rand(3, generator=policy.generator)
     state = policy.state_dict()
-    again = SylviePolicy(staleness=100, epoch_adaptive=True)
+    again = SylviePolicy(staleness=100, epoch_adaptive=True, guard_cooldown=3)
     again.setup(_env(plan))
     again.load_state_dict(state)
     assert torch.equal(torch.rand(4, generator=again.generator), torch.rand(4, generator=policy.generator))
-    assert again.is_sync(3) and again.uniform_bits == policy.uniform_bits == 2
+    assert again.uniform_bits == policy.uniform_bits == 2 and not again.pipelined
+    assert again.guard.state_dict() == policy.guard.state_dict() and again.guard.forces_sync(5)
+    assert again.adaptor.state_dict() == policy.adaptor.state_dict()
     with pytest.raises(ValueError, match="'sylvie' policy but this run uses 'adaqp'"):
         AdaQPPolicy().load_state_dict(state)
     clone = pickle.loads(pickle.dumps(policy))
