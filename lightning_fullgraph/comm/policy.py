@@ -498,6 +498,8 @@ class SylviePolicy(_QuantizedPolicy):
         self.guard = DivergenceGuard(guard, guard_cooldown) if guard not in (None, False) else None
         # the adaptor's switch: False runs every epoch synchronous
         self.pipelined = True
+        # False where the halo share is at or above max_halo_share (set at setup)
+        self.pipeline_allowed = True
         self.final_epoch: int | None = None
 
     @property
@@ -515,7 +517,9 @@ class SylviePolicy(_QuantizedPolicy):
     def setup(self, env: PolicyEnv) -> None:
         super().setup(env)
         self.final_epoch = env.final_epoch
-        if env.fitting and self.max_halo_share < 1.0 and env.halo_share >= self.max_halo_share:
+        # the share limit binds the adaptor too: it may change bits, not restart the pipeline
+        self.pipeline_allowed = not (self.max_halo_share < 1.0 and env.halo_share >= self.max_halo_share)
+        if env.fitting and not self.pipeline_allowed:
             self.pipelined = False
             rank_zero_warn(
                 f"sylvie: halo rows are {100 * env.halo_share:.0f}% of the aggregation inputs (>= "
@@ -561,7 +565,7 @@ class SylviePolicy(_QuantizedPolicy):
             if change == "slower":
                 self.uniform_bits, self.pipelined = min(8, self.uniform_bits * 2), False
             elif change == "faster":
-                self.uniform_bits, self.pipelined = max(1, self.uniform_bits // 2), True
+                self.uniform_bits, self.pipelined = max(1, self.uniform_bits // 2), self.pipeline_allowed
             if change is not None:
                 rank_zero_info(
                     f"sylvie: the loss's decrease per second {'slowed' if change == 'slower' else 'sped up'} "

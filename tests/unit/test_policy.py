@@ -146,6 +146,21 @@ def test_adaptor_raises_bits_and_stops_the_pipeline_from_the_next_epoch() -> Non
     assert _run_epoch(fresh, 10, 7.0)[0] is False
 
 
+def test_adaptor_cannot_restart_the_pipeline_above_the_halo_share_limit() -> None:
+    """Above ``max_halo_share`` a speed-up halves the bits but leaves every epoch synchronous.
+
+    Negative control: letting the adaptor set ``pipelined = True`` makes epoch 5 asynchronous."""
+    policy = SylviePolicy(bits=4, staleness=100, epoch_adaptive=True, adaptive_window=3, guard=False)
+    env = _env(_plan())
+    env.halo_share = 0.5
+    policy.setup(env)
+    policy.adaptor.start, policy.adaptor.momentum = 1, 0.0
+    for e, loss in enumerate([10.0, 9.9, 9.7, 9.3, 8.5]):  # rates 0.1, 0.2, 0.4, 0.8: faster
+        _run_epoch(policy, e, loss)
+    assert policy.uniform_bits == 2 and not policy.pipelined
+    assert _run_epoch(policy, 5, 8.0)[0] is True
+
+
 def test_guard_runs_the_next_epochs_synchronous_after_a_rise_under_stale_values() -> None:
     """A loss more than ``guard`` above its best after an asynchronous epoch makes the next
     ``guard_cooldown`` epochs synchronous, then pipelines again; the second reaction's cooldown
