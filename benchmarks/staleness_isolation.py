@@ -189,7 +189,7 @@ def simulate(a: argparse.Namespace) -> dict:
         losses.append(value)
         if a.guard is not None:
             guard["first"] = value if guard["first"] is None else guard["first"]
-            if (value - guard["best"] > a.guard * max(guard["best"], guard["first"] / 10)
+            if (value - guard["best"] > a.guard * max(guard["best"], guard["first"] / 2)
                     and epoch >= guard["until"] and a.mode != "exact"):
                 guard["until"] = epoch + guard["cooldown"]
                 guard["cooldown"] *= 2

@@ -36,6 +36,7 @@ Policies:
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -500,6 +501,8 @@ class SylviePolicy(_QuantizedPolicy):
         self.pipelined = True
         # False where the halo share is at or above max_halo_share (set at setup)
         self.pipeline_allowed = True
+        self.halo_share = 0.0
+        self.last_loss = math.nan
         self.final_epoch: int | None = None
 
     @property
@@ -517,6 +520,7 @@ class SylviePolicy(_QuantizedPolicy):
     def setup(self, env: PolicyEnv) -> None:
         super().setup(env)
         self.final_epoch = env.final_epoch
+        self.halo_share = env.halo_share
         # the share limit binds the adaptor too: it may change bits, not restart the pipeline
         self.pipeline_allowed = not (self.max_halo_share < 1.0 and env.halo_share >= self.max_halo_share)
         if env.fitting and not self.pipeline_allowed:
@@ -558,6 +562,7 @@ class SylviePolicy(_QuantizedPolicy):
         launched for it are landed (and counted) before its fresh exchange replaces them."""
         if global_loss is None:
             return {}
+        self.last_loss = float(global_loss)
         figures = {"comm/global_loss": float(global_loss)}
         stale = not self.synchronous
         if self.adaptor is not None and seconds is not None and self.uniform_bits in FIXED_BITS:
@@ -587,11 +592,14 @@ class SylviePolicy(_QuantizedPolicy):
         if not reactions:
             return None
         last = reactions[-1]
-        tail = (
-            "the pipeline was off from then on: on this graph use staleness=1 (synchronous low-bit "
-            "messages) or mode='adaqp'"
-            if self.final_epoch is not None and last.until >= self.final_epoch
-            else "training recovered after each"
+        if self.final_epoch is not None and last.until >= self.final_epoch:
+            tail = "the pipeline was off from then on"
+        else:
+            assert self.guard is not None
+            tail = f"the last epoch's loss was {self.last_loss:.4g} against a best of {self.guard.best:.4g}"
+        tail += (
+            f"; the stale pipeline does not suit this graph (halo share {100 * self.halo_share:.0f}%): use "
+            "staleness=1 (synchronous low-bit messages) or a lower max_halo_share"
         )
         return (
             f"sylvie: the divergence guard turned the stale pipeline off {len(reactions)} time(s) in "

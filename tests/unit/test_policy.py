@@ -196,16 +196,16 @@ def test_guard_off_and_rise_under_synchronous_training_do_not_react() -> None:
 
 
 def test_guard_ignores_the_relative_noise_of_a_loss_near_zero() -> None:
-    """Late in training a loss of 0.010 that reads 0.013 next epoch (+30 %) is noise, not
-    divergence: the rise must exceed ``guard`` times a tenth of the first loss (2.0 here).
+    """Late in training a loss of 0.05 that reads 0.08 next epoch (+60 %; seen on Cora) is
+    noise, not divergence: the rise must exceed ``guard`` times half the first loss (2.0 here).
 
     Negative control: the purely relative test (``loss > 1.1 * best``) reacts at epoch 3."""
     policy = SylviePolicy(staleness=100, guard=0.1)
     policy.setup(_env(_plan()))
-    for e, loss in enumerate([2.0, 0.5, 0.010, 0.013, 0.011]):
+    for e, loss in enumerate([2.0, 0.5, 0.05, 0.08, 0.06]):
         _run_epoch(policy, e, loss)
     assert policy.guard.reactions == []
-    _run_epoch(policy, 5, 0.05)  # +0.04 > 0.1 * 0.2: divergence
+    _run_epoch(policy, 5, 0.16)  # +0.11 > 0.1 * 1.0: divergence
     assert [r.epoch for r in policy.guard.reactions] == [5]
 
 
