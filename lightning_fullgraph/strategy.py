@@ -93,8 +93,9 @@ class FullGraphStrategy(DDPStrategy):
             of decrease per second (see :class:`~lightning_fullgraph.comm.policy.SylviePolicy`).
         adaptive_window: Epochs of monotone slowdown / speed-up the adaptor waits for.
         guard: Sylvie's divergence guard (default 0.1): after an epoch on stale values, a
-            global training loss this much (relative) above its best turns the pipeline off
-            for ``guard_cooldown`` epochs, doubling each time; ``False`` turns it off.
+            global training loss above its best by more than ``guard`` times the larger of the
+            best and half the first epoch's loss turns the pipeline off for
+            ``guard_cooldown`` epochs, doubling each time; ``False`` turns it off.
         guard_cooldown: Synchronous epochs after the guard's first reaction (default 10).
         max_halo_share: Sylvie pipelines only while halo rows are less than this share of the
             graph's aggregation inputs (default 0.5); above it every epoch is synchronous at

@@ -443,8 +443,8 @@ class SylviePolicy(_QuantizedPolicy):
             Decided at the end of epoch :math:`t`, applied from :math:`t+1`.
         adaptive_window: The adaptor's window of epochs (``>= 2``).
         guard: Divergence guard (:class:`~lightning_fullgraph.comm.sylvie_rules.
-            DivergenceGuard`): after an epoch on stale values, a global training loss more than
-            ``guard`` (relative) above its best runs the next ``guard_cooldown`` epochs
+            DivergenceGuard`): after an epoch on stale values, a global training loss above its
+            best by more than ``guard * max(best, first loss / 2)`` runs the next ``guard_cooldown`` epochs
             synchronous, the cooldown doubling with every reaction; each reaction is logged
             (``comm/guard_reactions``) and printed on rank 0.  ``False`` or ``None`` turns it
             off; ``True`` means 0.1.
