@@ -450,7 +450,7 @@ class SylviePolicy(_QuantizedPolicy):
             off; ``True`` means 0.1.
         guard_cooldown: Synchronous epochs after the guard's first reaction.
         max_halo_share: The pipeline runs only while halo rows are less than this share of the
-            graph's aggregation inputs (default 0.5); at or above it every epoch is synchronous,
+            graph's aggregation inputs (default 0.2); at or above it every epoch is synchronous,
             still at ``bits``, and a line says so.  Measured: at a 55 % share the stale pipeline
             collapsed training (best validation accuracy 0.58 against 0.91), synchronous 1-bit
             messages matched fp32.  ``1.0`` pipelines whatever the share.
