@@ -28,9 +28,15 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
+import difflib
+import importlib
+import inspect
 import json
+import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -42,15 +48,34 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback, instantiate_class
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
-__all__ = ["DEFAULT_MODEL", "TRAINER_DEFAULTS", "FullGraphCLI", "main", "partition_main"]
+from lightning_fullgraph._warnings import ScopedWarningFilter
+
+__all__ = [
+    "DEBUG_ENV",
+    "DEFAULT_MODEL",
+    "TRAINER_DEFAULTS",
+    "ConfigurationError",
+    "EpochLines",
+    "FullGraphCLI",
+    "explain_parse_error",
+    "main",
+    "partition_main",
+    "unknown_strategy",
+]
 
 PROG = "lightning-fullgraph"
+#: ``python -m lightning_fullgraph``: how the command is named when run that way.
+MODULE_PROG = "python -m lightning_fullgraph"
+#: Set to 1 for the full traceback of a configuration error instead of its two-line summary.
+DEBUG_ENV = "LIGHTNING_FULLGRAPH_DEBUG"
 
 #: Class path of the model used when neither a config nor ``--model`` names one.
 DEFAULT_MODEL = "lightning_fullgraph.models.GNNNodeClassifier"
@@ -75,6 +100,28 @@ _SUBCOMMAND_HELP = {
 }
 
 
+class ConfigurationError(ValueError):
+    """A configuration error found by :class:`FullGraphCLI` before anything was trained.
+
+    Its message is ``problem`` (what is wrong; an error raised by the package keeps its type
+    and wording) followed by one line, ``fix: ...``, that says what to change as command-line
+    flags.  The error it summarizes, if any, is its ``__cause__``.  ``main`` prints the two
+    parts and exits with status 2 (the traceback with :data:`DEBUG_ENV` ``=1``).
+
+    Args:
+        problem: What is wrong (may span lines).
+        fix: One line: what to change, as flags (``--data.num_parts``, not ``num_parts=``).
+    """
+
+    def __init__(self, problem: str, fix: str) -> None:
+        super().__init__(f"{problem}\nfix: {fix}")
+        self.problem = problem
+        self.fix = fix
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.problem, self.fix)
+
+
 class FullGraphCLI(LightningCLI):
     """:class:`~lightning.pytorch.cli.LightningCLI` preset for full-graph training.
 
@@ -93,7 +140,14 @@ class FullGraphCLI(LightningCLI):
       ``fit``'s test after training logs into fit's events file; ``predict`` has no logger
       unless one is configured (no ``version_N/`` folder, no ``config.yaml``); a run that
       fails before its first batch removes the ``version_N/`` folder it created (see
-      :class:`RemoveEmptyRunFolder`).
+      :class:`RemoveEmptyRunFolder`);
+    * configuration errors (a mistyped strategy name, a strategy setting its mode does not
+      take, a value the class refuses, parts that do not match the ranks) raise
+      :class:`ConfigurationError`, whose last line says what to change as flags; so do parse
+      errors when the parsers are made with ``exit_on_error=False`` (as :func:`main` does);
+    * when stdout is not a terminal and the configuration says nothing about the progress
+      bar, it is off and :class:`EpochLines` prints a line every few epochs instead;
+    * Lightning's "dirpath has changed" warning of a resumed ``fit`` is printed by rank 0 only.
 
     Args:
         args: Command-line arguments (``None``: ``sys.argv[1:]``), as for ``LightningCLI``.
@@ -111,7 +165,13 @@ class FullGraphCLI(LightningCLI):
         kwargs.setdefault("seed_everything_default", 0)
         kwargs.setdefault("save_config_callback", _SaveConfigCallback)
         self._deferred_finalize = _DeferredFinalize()
-        super().__init__(args=args, **kwargs)
+        try:
+            super().__init__(args=args, **kwargs)
+        except argparse.ArgumentError as err:  # only with exit_on_error=False
+            error = _explained(self._parse_error, err, sys.argv[1:] if args is None else args)
+            if error is None:
+                raise
+            raise error from err
 
     def _prepare_subcommand_parser(
         self, klass: type, subcommand: str, **kwargs: Any
@@ -189,7 +249,14 @@ class FullGraphCLI(LightningCLI):
             # Lightning's default ModelCheckpoint keeps only `epoch=E-step=S.ckpt`; a fixed
             # name to resume from or test is what users (and the README) expect.
             callbacks.append(ModelCheckpoint(save_last=True))
-        kwargs["callbacks"] = [*callbacks, RemoveEmptyRunFolder()]
+        progress_configured = config.get("enable_progress_bar") is not None or any(
+            isinstance(cb, ProgressBar) for cb in given
+        )
+        if not progress_configured and not config.get("barebones") and not _is_terminal(sys.stdout):
+            # a bar redrawn into a file is one line per refresh (760 lines for 100 epochs)
+            kwargs["enable_progress_bar"] = False
+            callbacks.append(EpochLines())
+        kwargs["callbacks"] = [*callbacks, RemoveEmptyRunFolder(), _RankZeroWarnings()]
         trainer = super().instantiate_trainer(**kwargs)
         for callback in trainer.callbacks:
             if isinstance(callback, RemoveEmptyRunFolder):
@@ -198,10 +265,216 @@ class FullGraphCLI(LightningCLI):
 
     # -- before/after the subcommands -------------------------------------------------------
     def before_instantiate_classes(self) -> None:
+        """Refuses an unknown strategy name (:class:`ConfigurationError`, with the nearest
+        registered name) before Lightning does it in less helpful words."""
+        self._check_strategy_name()
         if self.subcommand in ("validate", "test", "predict"):
             # Evaluating a checkpoint of another run: its ModelCheckpoint state (paths, scores)
             # belongs to that run's folder, and this subcommand saves no checkpoint anyway.
             warnings.filterwarnings("ignore", message=r"The dirpath has changed from", category=UserWarning)
+
+    def instantiate_classes(self) -> None:
+        """As LightningCLI's; an error of the configured classes' arguments is raised as a
+        :class:`ConfigurationError` whose last line names the flag to change."""
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError, MisconfigurationException) as err:
+            if isinstance(err, ConfigurationError):
+                raise
+            error = _explained(self._instantiation_error, err)
+            if error is None:
+                raise
+            raise error from err
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except Exception as err:
+            # Only what the launcher's checks found before any rank started: every other
+            # error keeps its type and traceback.
+            if isinstance(err, ConfigurationError) or not _found_before_launch(err):
+                raise
+            error = _explained(self._launch_error, err)
+            if error is None:
+                raise
+            raise error from err
+
+    # -- configuration errors ---------------------------------------------------------------
+    def _config(self) -> Any:
+        config = getattr(self, "config", None)
+        if config is None:
+            return None
+        return config.get(str(self.subcommand), config) if self.subcommand else config
+
+    def _flags(self) -> dict[str, Any]:
+        """``--flag`` -> value of every leaf of the configuration (``init_args`` left out)."""
+        config = self._config()
+        if config is None:
+            return {}
+        try:
+            items = list(config.items())
+        except Exception:  # pragma: no cover - a jsonargparse without flattened items
+            return {}
+        return {
+            "--" + key.replace(".init_args.", ".").replace(".dict_kwargs.", "."): value
+            for key, value in items
+        }
+
+    def _prog(self) -> str:
+        prog = getattr(getattr(self, "parser", None), "prog", None) or PROG
+        return f"{prog} {self.subcommand}" if getattr(self, "subcommand", None) else prog
+
+    def _check_strategy_name(self) -> None:
+        config = self._config()
+        strategy = config.get("trainer.strategy") if config is not None else None
+        if not isinstance(strategy, str) or strategy.lower() == "auto":
+            return
+        registered = StrategyRegistry.available_strategies()
+        if strategy.lower() in registered:
+            return
+        raise ConfigurationError(*unknown_strategy(strategy, registered))
+
+    def _parse_error(self, err: argparse.ArgumentError, args: Any) -> ConfigurationError:
+        message = str(err)
+        words = [a for a in args if isinstance(a, str)] if isinstance(args, (list, tuple)) else []
+        subcommand = next((a for a in words if a in self.subcommands()), None)
+        parsers = getattr(self, "_subcommand_parsers", {})
+        parser = parsers.get(subcommand) or getattr(self, "parser", None)
+        prog = getattr(getattr(self, "parser", None), "prog", PROG)
+        if message.startswith("unrecognized arguments:"):
+            unknown = message.split(":", 1)[1].split()
+            first = unknown[0] if unknown else ""
+            options = [
+                o for a in getattr(parser, "_actions", []) for o in a.option_strings if o.startswith("--")
+            ]
+            close = difflib.get_close_matches(first.split("=", 1)[0], options, n=1, cutoff=0.6)
+            fix = f"remove or correct {first}" + (f": did you mean {close[0]}?" if close else "")
+            return ConfigurationError(f"unrecognized arguments: {' '.join(unknown)}", fix)
+        match = re.match(r"argument subcommand: invalid choice: '([^']*)'", message)
+        if match:
+            close = difflib.get_close_matches(match.group(1), [*self.subcommands(), "partition"], n=1)
+            fix = f"did you mean `{prog} {close[0]}`?" if close else f"see `{prog} --help`"
+            return ConfigurationError(message, fix)
+        problem, fix = explain_parse_error(message)
+        if subcommand and not fix:
+            fix = f"see `{prog} {subcommand} --help`"
+        return ConfigurationError(problem, fix or f"see `{prog} --help`")
+
+    def _instantiation_error(self, err: BaseException) -> ConfigurationError:
+        message = str(err)
+        leaf = message
+        if "Does not validate against any of the Union subtypes" in message:
+            leaves = [
+                text for _, text in _error_leaves(message)[0] if not text.startswith("Expected a <class")
+            ]
+            leaf = "; ".join(leaves) or message.splitlines()[0]
+        settings = self._strategy_settings_fix(leaf)
+        if settings is not None:
+            return ConfigurationError(f"--trainer.strategy: {leaf}", settings)
+        return ConfigurationError(f"{type(err).__name__}: {leaf}", self._generic_fix(leaf))
+
+    def _strategy_settings_fix(self, message: str) -> str | None:
+        """For a FullGraphStrategy given by class path with settings its ``mode`` does not
+        take (left from another mode): which flags to drop, or which mode takes them."""
+        config = self._config()
+        strategy = config.get("trainer.strategy") if config is not None else None
+        if strategy is None or isinstance(strategy, str) or not strategy.get("class_path"):
+            return None
+        from lightning_fullgraph.comm.policy import POLICIES
+        from lightning_fullgraph.strategy import FullGraphStrategy
+
+        try:
+            module, _, name = strategy["class_path"].rpartition(".")
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError):
+            return None
+        if not (isinstance(cls, type) and issubclass(cls, FullGraphStrategy)):
+            return None
+        init = strategy.get("init_args") or {}
+        if init.get("policy") is not None:
+            return None
+        mode = init.get("mode") or "exact"
+        if mode not in POLICIES:
+            return None
+
+        def takes(m: str) -> set[str]:
+            return set(inspect.signature(POLICIES[m].__init__).parameters) - {"self"}
+
+        every = set().union(*(takes(m) for m in POLICIES))
+        given = {k for k, v in init.items() if v is not None and k in every}
+        extra = given - takes(mode)
+        if mode == "exact" and init.get("bits") is not None:
+            extra.add("bits")
+        extra_names = sorted(extra)
+        if not extra_names or not any(name in message for name in extra_names):
+            return None
+        modes = [m for m in POLICIES if m != mode and extra <= takes(m)]
+        flags = ", ".join(f"--trainer.strategy.{k}" for k in extra_names)
+        fix = f"drop {flags} (settings of another mode; trainer.strategy.init_args in a config)"
+        if modes:
+            fix += f", or set --trainer.strategy.mode={' or '.join(modes)}"
+        return fix
+
+    def _launch_error(self, err: BaseException) -> ConfigurationError:
+        return ConfigurationError(f"{type(err).__name__}: {err}", self._launch_fix(err))
+
+    def _launch_fix(self, err: BaseException) -> str:
+        """The flags to change for an error the launcher's checks found."""
+        from lightning_fullgraph.nn.adapters import UnsupportedConvError
+
+        message = str(err)
+        trainer = getattr(self, "trainer", None)
+        flags = self._flags()
+        parts = flags.get("--data.num_parts")
+        if isinstance(parts, int) and trainer is not None and "num_parts" in message:
+            nodes = max(1, int(trainer.num_nodes))
+            world = int(trainer.num_devices) * nodes
+            if parts != world:
+                run = (
+                    f"--trainer.devices={parts // nodes}"
+                    if parts % nodes == 0
+                    else f"--trainer.devices x --trainer.num_nodes = {parts}"
+                )
+                return f"drop --data.num_parts (one part per rank) or set --data.num_parts={world}, or run with {run}"
+        if isinstance(err, UnsupportedConvError):
+            return (
+                "train a model built from the supported convs listed above: --model.conv "
+                f"(for {DEFAULT_MODEL.rsplit('.', 1)[-1]}) or another --model.class_path"
+            )
+        if type(err).__name__ == "GraphValidationError":
+            matched = self._matching_flags(message)
+            fix = (
+                f"change {', '.join(matched)} so that the graph passes this check"
+                if matched
+                else "give --data.data a graph that passes this check (or change --data.dataset_kwargs / --data.split)"
+            )
+            clause = _as_flags(_imperative_clause(message) or "", flags)
+            return f"{fix}; or: {clause}" if "--" in clause else fix
+        return self._generic_fix(message)
+
+    def _matching_flags(self, message: str) -> list[str]:
+        """Flags whose (string) value the message quotes."""
+        found = []
+        for flag, value in self._flags().items():
+            if not isinstance(value, str) or len(value) < 2:
+                continue
+            if any(f"{q}{value}{q}" in message for q in ("'", '"', "`")) or f"={value}" in message:
+                found.append(flag)
+        return found
+
+    def _generic_fix(self, message: str) -> str:
+        matched = self._matching_flags(message)
+        clause = _imperative_clause(message)
+        if clause:
+            clause = _as_flags(clause, self._flags())
+        if matched and clause:
+            return f"{', '.join(matched)}: {clause}"
+        if matched:
+            flags = self._flags()
+            return "change " + ", ".join(f"{flag} (now {flags[flag]!r})" for flag in matched)
+        if clause:
+            return clause
+        return f"correct the setting named above (`{self._prog()} --help` lists the flags; {DEBUG_ENV}=1 shows the traceback)"
 
     def before_fit(self) -> None:
         """With ``--test_after_fit``, keeps the loggers open after fit so that the test
@@ -412,6 +685,276 @@ def _print_metrics(title: str, trainer: Trainer, prefix: str | None = None) -> N
     _print("\n".join(lines))
 
 
+class EpochLines(Callback):
+    """Prints one line of progress-bar metrics every few training epochs on global rank 0:
+    what the CLI shows instead of a progress bar when stdout is not a terminal.
+
+    Args:
+        lines: About how many lines a run of ``max_epochs`` prints (every
+            ``ceil(max_epochs / lines)``-th epoch, and the last one); every 10th epoch when
+            ``max_epochs`` is unbounded.
+    """
+
+    def __init__(self, lines: int = 20) -> None:
+        self.lines = lines
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        epoch, total = trainer.current_epoch + 1, trainer.max_epochs
+        every = max(1, math.ceil(total / self.lines)) if total and total > 0 else 10
+        if epoch % every and epoch != total:
+            return
+        metrics = {k: v for k, v in trainer.progress_bar_metrics.items() if k != "v_num"}
+        values = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items())
+        line = f"epoch {epoch}/{total if total and total > 0 else '?'}"
+        print(f"{line}: {values}" if values else line, flush=True)
+
+
+class _RankZeroWarnings(Callback):
+    """Between ``setup`` and ``teardown``, ranks other than 0 do not repeat Lightning's
+    warning that a resumed ModelCheckpoint's folder changed (rank 0 prints it)."""
+
+    def __init__(self) -> None:
+        self._filter = ScopedWarningFilter(r"The dirpath has changed from", UserWarning)
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if not trainer.is_global_zero:
+            self._filter.install()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._filter.remove()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._filter.remove()
+
+
+def _explained(explain: Any, err: BaseException, *args: Any) -> ConfigurationError | None:
+    """``explain(err, *args)``, the :class:`ConfigurationError` for ``err``; ``None`` if
+    explaining it fails (a bug there must not hide the error it explains)."""
+    try:
+        return explain(err, *args)
+    except Exception:
+        return None
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+# ------------------------------------------------------------------- configuration errors
+def unknown_strategy(name: str, registered: Sequence[str] | None = None) -> tuple[str, str]:
+    """``(problem, fix)`` for a strategy name that is not registered with Lightning: the fix
+    suggests the nearest registered name (:func:`difflib.get_close_matches`).
+
+    Args:
+        name: The name given (``--trainer.strategy``).
+        registered: The registered names (default: Lightning's ``StrategyRegistry``).
+    """
+    registered = list(StrategyRegistry.available_strategies() if registered is None else registered)
+    ours = [n for n in registered if n.startswith("fullgraph_")]
+    problem = (
+        f"--trainer.strategy={name} is not a registered strategy name; this package registers "
+        f"{', '.join(ours)} (Lightning's own include auto, ddp, ddp_spawn, ...), and a class path "
+        "such as lightning_fullgraph.FullGraphStrategy is accepted too"
+    )
+    close = difflib.get_close_matches(name.lower(), ours, n=1, cutoff=0.6) or difflib.get_close_matches(
+        name.lower(), registered, n=1, cutoff=0.6
+    )
+    if close:
+        return problem, f"did you mean --trainer.strategy={close[0]}?"
+    return problem, f"set --trainer.strategy to one of {', '.join(ours)} (or another registered name)"
+
+
+#: Lines of jsonargparse's error messages that only give their structure.
+_STRUCTURE = (
+    "Does not validate against any of the Union subtypes",
+    "Subtypes:",
+    "Errors:",
+    "Given value type:",
+)
+
+
+def _error_leaves(
+    message: str,
+) -> tuple[list[tuple[tuple[str, ...], str]], dict[tuple[str, ...], str], dict[tuple[str, ...], str]]:
+    """Reads jsonargparse's nested error message.
+
+    Returns:
+        ``(leaves, values, class_paths)``: every line that says what is wrong, with the chain
+        of ``Parser key`` names above it; the ``Given value`` of a chain; the class path a
+        chain's ``Problem with given class_path`` names.
+    """
+    stack: list[tuple[int, str]] = []
+    leaves: list[tuple[tuple[str, ...], str]] = []
+    values: dict[tuple[str, ...], str] = {}
+    class_paths: dict[tuple[str, ...], str] = {}
+    for raw in message.splitlines():
+        text = raw.lstrip(" ")
+        if not text:
+            continue
+        indent = len(raw) - len(text)
+        if text.startswith("- "):
+            text, indent = text[2:], indent + 2
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        chain = tuple(key for _, key in stack)
+        key = re.match(r'Parser key "([^"]+)":\s*(.*)$', text)
+        if key:
+            stack.append((indent, key.group(1)))
+            if key.group(2):
+                leaves.append(((*chain, key.group(1)), key.group(2)))
+            continue
+        problem = re.match(r"Problem with given class_path '([^']+)':\s*(.*)$", text)
+        if problem:
+            class_paths[chain] = problem.group(1)
+            if problem.group(2):
+                leaves.append((chain, problem.group(2)))
+            continue
+        if text.startswith("Given value:"):
+            values.setdefault(chain, text.split(":", 1)[1].strip())
+            continue
+        if not text.startswith(_STRUCTURE):
+            leaves.append((chain, text))
+    return leaves, values, class_paths
+
+
+_TYPE_WORDS = {"int": "an int", "float": "a number", "bool": "true or false", "str": "a string"}
+
+
+def explain_parse_error(message: str) -> tuple[str, str]:
+    """``(problem, fix)`` of a jsonargparse error message, both naming the flag (``--a.b``)
+    of the innermost ``Parser key`` the message reports; ``fix`` is ``""`` if the message
+    is not one of the known shapes."""
+    leaves, values, class_paths = _error_leaves(message)
+    useful = [(c, t) for c, t in leaves if t != "Expected a <class 'NoneType'>"]
+    if not useful:
+        return message.strip().splitlines()[0] if message.strip() else "invalid arguments", ""
+    depth = max(len(c) for c, _ in useful)
+    deepest = [(c, t) for c, t in useful if len(c) == depth]
+    informative = [(c, t) for c, t in deepest if t != "Expected a <class 'str'>"] or deepest
+    chain, text = informative[0]
+    flag = "--" + ".".join(chain) if chain else "the arguments"
+    got = re.search(r"\. Got value: (.*)$", text)
+    value = got.group(1) if got else values.get(chain)
+    text = text[: got.start()] if got else text
+    literal = re.match(r"Expected a typing\.Literal\[(.*)\]$", text)
+    if literal:
+        try:
+            choices = [str(c) for c in ast.literal_eval(f"[{literal.group(1)}]")]
+        except (SyntaxError, ValueError):
+            choices = [literal.group(1)]
+        return (
+            f"{flag}={value}: not one of {', '.join(choices)}",
+            f"set {flag} to one of: {', '.join(choices)}",
+        )
+    types = [m.group(1) for _, t in deepest if (m := re.match(r"Expected a <class '(\w+)'>$", t))]
+    if types and text.startswith("Expected a <class"):
+        words = [_TYPE_WORDS.get(t, f"a {t}") for t in types if t != "NoneType"]
+        nullable = any(c == chain and t == "Expected a <class 'NoneType'>" for c, t in leaves)
+        wanted = " or ".join(words + (["null"] if nullable else []))
+        return f"{flag}={value}: expected {wanted}", f"set {flag} to {wanted}"
+    dotted = re.match(r"Expected a dot import path string: (.*)$", text)
+    if dotted:
+        name = dotted.group(1).strip()
+        example = "module.Class"
+        registered = flag == "--trainer.strategy" and name.lower() in StrategyRegistry
+        # (the registry's own `get` instantiates the strategy: read its entry)
+        params = dict.get(StrategyRegistry, name.lower(), {}).get("init_params") or {} if registered else {}
+        if params:
+            settings = " ".join(f"{flag}.{k}={v}" for k, v in params.items())
+            example = f"lightning_fullgraph.FullGraphStrategy {settings}"
+        return (
+            f"{flag}={name} is a name: it takes no {flag}.* settings, a class path does",
+            f"give {flag}={example} with the {flag}.* settings, or drop them",
+        )
+    option = re.match(r"Option '([^']+)' is not accepted", text)
+    if option:
+        name = option.group(1)
+        class_path = class_paths.get(chain, "")
+        params: list[str] = []
+        with contextlib.suppress(Exception):
+            module, _, attr = class_path.rpartition(".")
+            params = [p for p in inspect.signature(getattr(importlib.import_module(module), attr)).parameters]
+        close = difflib.get_close_matches(name, params, n=1, cutoff=0.6)
+        owner = class_path.rpartition(".")[2] or chain[-1]
+        fix = f"remove {flag}.{name}" + (f" (did you mean {flag}.{close[0]}?)" if close else "")
+        return f"{flag}.{name}: {owner} has no argument {name!r}", fix
+    if class_paths.get(chain):
+        return (
+            f"{flag}.class_path={class_paths[chain]}: {text}",
+            f"set {flag}.class_path to an importable class (module.Class): {text}",
+        )
+    return f"{flag}: {text}", f"correct {flag}: {text}"
+
+
+#: Words a fix clause of the package's messages starts with.
+_IMPERATIVES = (
+    "add",
+    "apply",
+    "call",
+    "choose",
+    "convert",
+    "drop",
+    "give",
+    "mark",
+    "pass",
+    "remove",
+    "run",
+    "set",
+    "use",
+)
+
+
+def _imperative_clause(message: str) -> str | None:
+    """The last clause of the message's last line that says what to do, if any."""
+    lines = message.strip().splitlines()
+    if not lines:
+        return None
+    parts = re.split(r"[;:]\s+", lines[-1])
+    for part in reversed(parts):
+        if part.split(" ", 1)[0].lower() in _IMPERATIVES:
+            return part.rstrip(".")
+    return None
+
+
+def _as_flags(text: str, flags: dict[str, Any]) -> str:
+    """``name=`` and `` `name` `` in ``text`` as ``--group.name=`` / ``--group.name`` where
+    exactly one flag ends in ``.name``."""
+    owners: dict[str, list[str]] = {}
+    for flag in flags:
+        owners.setdefault(flag.rsplit(".", 1)[-1].lstrip("-"), []).append(flag)
+    for name, found in owners.items():
+        if len(found) != 1 or not name.isidentifier():
+            continue
+        text = re.sub(rf"(?<![\w.\-`]){re.escape(name)}=", f"{found[0]}=", text)
+        text = text.replace(f"`{name}`", found[0])
+    # Python literals after a flag, as the command line spells them
+    return re.sub(r"(--[\w.]+=)(True|False|None)\b", lambda m: m.group(1) + _CLI_LITERALS[m.group(2)], text)
+
+
+_CLI_LITERALS = {"True": "true", "False": "false", "None": "null"}
+
+
+def _found_before_launch(err: BaseException) -> bool:
+    """Whether the launcher's checks (:func:`lightning_fullgraph.preflight.check_before_launch`),
+    which run before any rank starts, raised ``err``."""
+    tb = err.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith("lightning_fullgraph") and frame.f_code.co_name in (
+            "_preflight",
+            "check_before_launch",
+        ):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 # ------------------------------------------------------------------------------ partition
 def _partition_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -449,7 +992,7 @@ def _partition_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--cache-dir",
         default=None,
-        help="partition cache (default: $LIGHTNING_FULLGRAPH_CACHE or <tmp>/lightning_fullgraph/partitions)",
+        help="partition cache (default: $LIGHTNING_FULLGRAPH_CACHE or $XDG_CACHE_HOME/lightning-fullgraph/partitions)",
     )
     parser.add_argument(
         "--dataset-kwargs",
@@ -518,7 +1061,9 @@ def _imbalance(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 def _imbalance_line(rows: list[dict[str, Any]]) -> str:
     imb = _imbalance(rows)
-    return f"imbalance: nodes max/mean {imb['node_imbalance']:.3f}, edges max/mean {imb['edge_imbalance']:.3f}"
+    return (
+        f"imbalance: nodes max/mean {imb['node_imbalance']:.3f}, edges max/mean {imb['edge_imbalance']:.3f}"
+    )
 
 
 def _format_table(rows: list[dict[str, Any]]) -> str:
@@ -602,7 +1147,14 @@ def partition_main(argv: Sequence[str] | None = None) -> int:
         del graph
         if fingerprint is None:
             result.timings = {"load": load_s, **result.timings}
-    timings = {"load": 0.0, "check": 0.0, "metis": 0.0, "plan": 0.0, "write": 0.0, **getattr(result, "timings", {})}
+    timings = {
+        "load": 0.0,
+        "check": 0.0,
+        "metis": 0.0,
+        "plan": 0.0,
+        "write": 0.0,
+        **getattr(result, "timings", {}),
+    }
     phase_peaks = dict(getattr(result, "peak_rss_mib", {}))
     manifest = read_manifest(result.folder)
     stats_start = time.perf_counter()
@@ -630,7 +1182,10 @@ def partition_main(argv: Sequence[str] | None = None) -> int:
             "baseline_rss_mib": baseline_rss,
             "phase_peak_rss_mib": phase_peaks,
             "graph_mib": graph_mib,
-            **{k: manifest.get(k) for k in ("method", "balance", "num_parts", "seed", "num_nodes", "num_edges")},
+            **{
+                k: manifest.get(k)
+                for k in ("method", "balance", "num_parts", "seed", "num_nodes", "num_edges")
+            },
             "metis_max_edges": manifest.get("metis_max_edges"),
             "total_halo": manifest.get("total_halo"),
             **{k: manifest.get(k) for k in ("num_features", "num_classes")},
@@ -648,12 +1203,17 @@ def partition_main(argv: Sequence[str] | None = None) -> int:
     print(f"partition folder: {folder}")
     print(f"status: {status}; total {elapsed:.2f} s")
     print(
-        "time: " + ", ".join(f"{k} {v:.2f} s" for k, v in timings.items() if v or k in ("check", "statistics"))
+        "time: "
+        + ", ".join(f"{k} {v:.2f} s" for k, v in timings.items() if v or k in ("check", "statistics"))
         + f"; peak memory (VmHWM, METIS and forked orderings included) {peak_rss:.0f} MiB "
         f"({peak_rss - baseline_rss:.0f} above the "
         f"{baseline_rss:.0f} MiB after imports), {(peak_rss - baseline_rss) / max(graph_mib, 1e-9):.2f}x the graph's "
         f"{graph_mib:.0f} MiB"
-        + ("" if not phase_peaks else " (" + ", ".join(f"after {k} {v:.0f}" for k, v in phase_peaks.items()) + ")")
+        + (
+            ""
+            if not phase_peaks
+            else " (" + ", ".join(f"after {k} {v:.0f}" for k, v in phase_peaks.items()) + ")"
+        )
     )
     if not result.rebuilt and result.reason != "partition folder given":
         print(f"cache reused: {result.reason}, nothing recomputed ({elapsed:.2f} s in all)")
@@ -701,18 +1261,39 @@ def allocator_hint(parts: Sequence[dict[str, Any]], environ: Any) -> str | None:
 
 
 # ----------------------------------------------------------------------------------- main
-def _help() -> str:
+def _invoked_as() -> str:
+    """How the user started this command: ``python -m lightning_fullgraph`` (``sys.argv[0]`` is
+    this package's ``__main__.py``) or :data:`PROG` (the console script, or ``main()`` called
+    from Python)."""
+    first = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path()
+    if first.name == "__main__.py" and first.parent.name == "lightning_fullgraph":
+        return MODULE_PROG
+    return PROG
+
+
+def _parser_kwargs(prog: str) -> dict[str, Any]:
+    """LightningCLI ``parser_kwargs`` of :func:`main`: the program name of the usage lines, and
+    parse errors raised (then summarized) instead of printed after the whole usage."""
+    return {
+        "prog": prog,
+        "exit_on_error": False,
+        **{s: {"exit_on_error": False} for s in FullGraphCLI.subcommands()},
+    }
+
+
+def _help(prog: str = PROG) -> str:
     width = max(len(s) for s in _SUBCOMMAND_HELP)
     commands = "\n".join(f"  {name:<{width}}  {text}" for name, text in _SUBCOMMAND_HELP.items())
     defaults = ", ".join(f"{k}={v}" for k, v in TRAINER_DEFAULTS.items())
-    return f"""usage: {PROG} {{fit,validate,test,predict,partition}} [options]
+    also = PROG if prog == MODULE_PROG else MODULE_PROG
+    return f"""usage: {prog} {{fit,validate,test,predict,partition}} [options]
 
-Distributed full-graph GNN training with PyTorch Lightning (also: python -m lightning_fullgraph).
+Distributed full-graph GNN training with PyTorch Lightning (also: {also}).
 
 subcommands:
 {commands}
 
-Add --help after a subcommand for its options, e.g. `{PROG} fit --help`.
+Add --help after a subcommand for its options, e.g. `{prog} fit --help`.
 fit/validate/test/predict are LightningCLI subcommands: configure them with --config FILE.yaml
 and/or dotted flags (--trainer.*, --model.*, --data.*); --print_config shows the full config.
 Model: any LightningModule via --model.class_path (default {DEFAULT_MODEL});
@@ -721,13 +1302,17 @@ Trainer defaults: {defaults}.
 Each run logs to lightning_logs/version_N/ (config.yaml, TensorBoard events, and for fit
 checkpoints/last.ckpt); predict logs nothing unless given --trainer.logger; a run that fails
 before its first batch leaves no version_N/ behind.
+A configuration error prints what is wrong and, last, a `fix:` line naming the flags to
+change (exit status 2); {DEBUG_ENV}=1 shows its traceback instead.  When stdout is not
+a terminal, a line every few epochs replaces the progress bar (unless
+--trainer.enable_progress_bar is given).
 
 examples:
-  {PROG} fit
-  {PROG} test --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt
-  {PROG} fit --config examples/configs/community_sage.yaml --trainer.max_epochs=50
-  {PROG} fit --data.data=Cora --data.root=../shared/datasets/Planetoid --model.conv=gat
-  {PROG} partition --data community --num-parts 4
+  {prog} fit
+  {prog} test --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt
+  {prog} fit --config examples/configs/community_sage.yaml --trainer.max_epochs=50
+  {prog} fit --data.data=Cora --data.root=../shared/datasets/Planetoid --model.conv=gat
+  {prog} partition --data community --num-parts 4
 """
 
 
@@ -740,23 +1325,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             ``sys.argv``, so multi-process runs must come from the command line.
 
     Returns:
-        The exit status (0); parsing errors exit through ``SystemExit``.
+        The exit status: 0, or 2 after a configuration error (:class:`ConfigurationError`:
+        what is wrong, then a last line saying which flags to change; with
+        :data:`DEBUG_ENV` ``=1`` it is raised, traceback and all).  ``partition``'s parsing
+        errors exit through ``SystemExit``.
     """
     import lightning_fullgraph  # noqa: F401  (registers the fullgraph_* strategy names)
 
     # Lightning 2.6.6 on torch >= 2.13 warns about a torch-internal rename on every step.
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
     args = list(sys.argv[1:] if argv is None else argv)
+    prog = _invoked_as()
     if args and args[0] == "partition":
         return partition_main(args[1:])
     if not args or args[0] in ("-h", "--help"):
-        print(_help())
+        print(_help(prog))
         return 0 if args else 2
     if args[0] == "--version":
         print(f"{PROG} {lightning_fullgraph.__version__}")
         return 0
-    # Give LightningCLI `args=None` when reading sys.argv, so it does not warn about both.
-    FullGraphCLI(args=None if argv is None else args)
+    try:
+        # Give LightningCLI `args=None` when reading sys.argv, so it does not warn about both.
+        FullGraphCLI(args=None if argv is None else args, parser_kwargs=_parser_kwargs(prog))
+    except ConfigurationError as err:
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        subcommand = next((a for a in args if a in FullGraphCLI.subcommands()), None)
+        sys.stdout.flush()  # what was printed before comes first
+        sys.stderr.write(f"{prog}{' ' + subcommand if subcommand else ''}: {err.problem}\nfix: {err.fix}\n")
+        sys.stderr.flush()
+        return 2
     return 0
 
 

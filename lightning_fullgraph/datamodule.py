@@ -38,7 +38,7 @@ from lightning_fullgraph.partition.cache import (
 from lightning_fullgraph.partition.partitioner import BALANCE_MODES, PARTITION_METHODS
 from lightning_fullgraph.partition.plan import LocalPartition
 from lightning_fullgraph.preflight import check_num_parts
-from lightning_fullgraph.validation import MASK_KEYS, validate_graph
+from lightning_fullgraph.validation import MASK_KEYS, GraphValidationError, mask_dtype_problem, validate_graph
 
 __all__ = ["FullGraphDataModule", "load_graph", "select_mask_split"]
 
@@ -117,7 +117,10 @@ def select_mask_split(data: Data, split: int = 0, mask_keys: Iterable[str] = ())
     under ``train_mask``, ``val_mask``, ``test_mask``, any other key ending in ``_mask``,
     or a key of ``mask_keys``; it becomes ``mask[:, split]`` of shape ``[N]``, as PyG's
     examples do (``data.train_mask[:, split]``).  Other attributes, and masks that are not
-    bool ``[N, S]`` (``validate_graph`` reports those), are left as they are.
+    ``[N, S]`` (``validate_graph`` reports those), are left as they are; an ``[N, S]`` mask
+    that is not bool under ``train_mask``, ``val_mask``, ``test_mask`` or a key of
+    ``mask_keys`` is refused with :func:`~lightning_fullgraph.validation.mask_dtype_problem`'s
+    message (convert it with ``mask != 0``), whatever ``split``.
 
     Args:
         data: The graph (a global graph or one rank's part: only the rows differ).
@@ -131,9 +134,21 @@ def select_mask_split(data: Data, split: int = 0, mask_keys: Iterable[str] = ())
     Raises:
         ValueError: ``split`` is not in ``[0, S)`` for a mask with ``S`` columns; or
             ``split != 0`` but no mask has several splits (the split asked for does not
-            exist, and silently training on the only one would be a different experiment).
+            exist, and silently training on the only one would be a different experiment);
+            or (a :class:`~lightning_fullgraph.validation.GraphValidationError`) an ``[N, S]``
+            node mask is not bool.
     """
     split = _check_split(split)
+    try:
+        num_nodes = int(data.num_nodes)
+    except Exception:  # malformed graph: validate_graph reports it with the fix
+        num_nodes = -1
+    for key in dict.fromkeys((*MASK_KEYS, *mask_keys)):
+        mask = data.get(key)
+        if isinstance(mask, Tensor) and mask.dim() == 2 and mask.size(0) == num_nodes:
+            problem = mask_dtype_problem(key, mask, num_nodes)
+            if problem is not None:  # a multi-split mask all the same: say what is wrong with it
+                raise GraphValidationError(f"{problem}; then split={split} selects its column {split}")
     selected: dict[str, Tensor] = {}
     for key in _multi_split_keys(data, mask_keys):
         mask = data[key]
@@ -177,7 +192,8 @@ class FullGraphDataModule(pl.LightningDataModule):
             equal the world size when training.
         partition: ``"metis"`` (minimises communication volume) or ``"random"``.
         cache_dir: Folder for partition folders; default ``$LIGHTNING_FULLGRAPH_CACHE`` or
-            ``<tmp>/lightning_fullgraph/partitions``.
+            ``$XDG_CACHE_HOME/lightning-fullgraph/partitions`` (``~/.cache/lightning-fullgraph/partitions``;
+            see :func:`~lightning_fullgraph.partition.cache.default_cache_root`).
         root: Dataset folder for named datasets.
         seed: Partitioner seed.
         dataset_kwargs: Extra arguments of ``load_dataset`` for named datasets (e.g. the
@@ -249,6 +265,14 @@ class FullGraphDataModule(pl.LightningDataModule):
         self._folder: Path | None = None
         self._graph: Data | None = None
         self._manifest: dict[str, Any] | None = None
+        # What the loaded state was made for: the masks selected in ``_graph``; the part count
+        # and masks of ``_folder`` (prepare_data); the rank, world size and masks of
+        # ``local_partition`` (setup).  A setup for other ranks (e.g. a setup() without a
+        # trainer before trainer.fit) is redone, never reused.
+        self._graph_mask_keys: tuple[str, ...] = ()
+        self._graph_split_keys: frozenset[str] = frozenset()  # masks of _graph selected from [N, S]
+        self._prepared_as: tuple[int, tuple[str, ...]] | None = None
+        self._loaded_as: tuple[int, int, tuple[str, ...]] | None = None
 
     # -- helpers --------------------------------------------------------------------------
     def _world(self) -> tuple[int, int]:
@@ -277,9 +301,18 @@ class FullGraphDataModule(pl.LightningDataModule):
         key = getattr(strategy, "mask_key", None)
         return (key,) if isinstance(key, str) else ()
 
+    def _selection_keys(self) -> tuple[str, ...]:
+        """The keys of :meth:`_mask_keys` that change what :func:`select_mask_split` selects
+        (``train_mask``, ``val_mask``, ``test_mask`` and ``*_mask`` are selected anyway): what a
+        loaded graph, partition folder or part must have been made for to be reused."""
+        return tuple(k for k in self._mask_keys() if k not in MASK_KEYS and not k.endswith("_mask"))
+
     def global_graph(self) -> Data:
         """The whole graph (loaded on first use) with column ``split`` of every ``[N, S]``
         node mask (see :func:`select_mask_split`). Not available for partition-folder data."""
+        keys = self._mask_keys()
+        if self._graph is not None and self._graph_mask_keys != self._selection_keys():
+            self._graph = None  # selected for another mask_key (e.g. before a trainer was attached)
         if self._graph is None:
             if self._partition_folder_given() is not None:
                 raise RuntimeError(f"data={self.data!r} is a partition folder: the global graph is not loaded")
@@ -290,7 +323,16 @@ class FullGraphDataModule(pl.LightningDataModule):
                 kwargs["split"] = self.split
                 remaining = 0
             graph = load_graph(self.data, root=self.root, **kwargs)
-            self._graph = select_mask_split(graph, remaining, self._mask_keys())
+            self._graph = select_mask_split(graph, remaining, keys)
+            self._graph_mask_keys = self._selection_keys()
+            if remaining == 0 and self.split != 0:  # load_dataset selected the split of its masks
+                self._graph_split_keys = frozenset(MASK_KEYS)
+            else:
+                self._graph_split_keys = frozenset(
+                    k
+                    for k in self._graph.keys()
+                    if isinstance(graph[k], Tensor) and graph[k].dim() == 2 and self._graph[k] is not graph[k]
+                )
         return self._graph
 
     def _check_data(self, parts: int, load_graph: bool = True) -> Path | None:
@@ -304,12 +346,19 @@ class FullGraphDataModule(pl.LightningDataModule):
             read_manifest(given)  # (its own error for a missing or malformed manifest)
             reason = check_manifest(given, {"num_parts": parts})
             if reason is not None:
-                raise PartitionCacheError(f"cannot use partition folder {given}: {reason}")
+                raise PartitionCacheError(
+                    f"cannot use partition folder {given}: {reason}. Each rank trains one part: write a "
+                    f"folder with {parts} part(s) (`lightning-fullgraph partition --data <graph> --num-parts "
+                    f"{parts}`) and pass that one, or pass the graph itself as data (it is partitioned for "
+                    f"the run's ranks)"
+                )
             return given
         if (load_graph and not self._generated()) or self._graph is not None:
             # Before any partitioning or process-group work: bad input fails here, with the fix.
             # (A generated graph is valid by construction and is not built just to check it.)
-            validate_graph(self.global_graph(), num_parts=parts, require_train=self.require_train)
+            graph = self.global_graph()
+            split = self.split if "train_mask" in self._graph_split_keys else None
+            validate_graph(graph, num_parts=parts, require_train=self.require_train, split=split)
         return None
 
     # -- Lightning hooks ------------------------------------------------------------------
@@ -317,9 +366,11 @@ class FullGraphDataModule(pl.LightningDataModule):
         """Partitions the graph into the cache unless a valid partition exists (once per node)."""
         parts = self._expected_parts()
         given = self._check_data(parts)
+        self._prepared_as = None
         if given is not None:
             manifest = read_manifest(given)
             self._folder = given
+            self._prepared_as = (parts, self._selection_keys())
             self.partition_result = PartitionResult(folder=given, rebuilt=False, reason="partition folder given")
             log.info("using partition folder %s (%s)", given, manifest.get("method"))
             return
@@ -337,6 +388,8 @@ class FullGraphDataModule(pl.LightningDataModule):
             fingerprint=fingerprint,
         )
         self._folder = self.partition_result.folder
+        self._manifest = None
+        self._prepared_as = (parts, self._selection_keys())
         if isinstance(self.data, (str, os.PathLike)):
             # a graph this datamodule loaded itself is not kept through training (each rank
             # holds only its part); global_graph() loads it again if asked
@@ -350,9 +403,18 @@ class FullGraphDataModule(pl.LightningDataModule):
         return is_generated_name(self.data)
 
     def setup(self, stage: str | None = None) -> None:
-        """Loads this rank's part (and only it)."""
-        if self.local_partition is not None:
-            return
+        """Loads this rank's part (and only it).
+
+        With a trainer attached, the part of the trainer's rank among its ``world_size`` ranks;
+        a part loaded for other ranks (a ``setup()`` without a trainer before ``trainer.fit``,
+        or another trainer) is dropped and the graph partitioned for these ranks.
+
+        Without a trainer (a user's call, e.g. to read :attr:`num_features` before
+        ``trainer.fit``), the partition folder for ``num_parts`` parts (default 1) is made and
+        its manifest read; the one part of a one-part partition is loaded (one process trains
+        the whole graph), no part of a larger one (there is no rank to load it for).  Nothing
+        of it is pinned: the trainer's setup chooses each rank's part.
+        """
         rank, world = self._world()
         trainer = self.trainer
         if trainer is not None and world > 1:
@@ -362,31 +424,69 @@ class FullGraphDataModule(pl.LightningDataModule):
                     f"FullGraphDataModule with {world} ranks needs the full-graph strategy: "
                     f"Trainer(strategy='fullgraph_quant') (got {type(trainer.strategy).__name__})"
                 )
-        if self._folder is None and (trainer is None or rank == 0):
-            if trainer is None or trainer.local_rank == 0:
+        keys, ident = self._mask_keys(), self._selection_keys()
+        if self.local_partition is not None and self._loaded_as == (rank, world, ident):
+            return  # (later fit/validate/test calls of the same trainer keep the partition)
+        if self.local_partition is not None:
+            plan = self.local_partition.plan
+            log.info(
+                "dropping part %d of %d loaded by an earlier setup(): this one is for rank %d of %d",
+                plan.rank,
+                plan.world_size,
+                rank,
+                world,
+            )
+        self.local_partition = None
+        self._loaded_as = None
+        if trainer is None:
+            parts = self._expected_parts()
+            if self._folder is None or self._prepared_as != (parts, ident):
                 self.prepare_data()
-        folder = self._folder
-        if trainer is not None and world > 1:
-            folder = trainer.strategy.broadcast(folder, src=0)
+            folder = self._folder
+            if parts != 1:
+                log.info(
+                    "setup() without a trainer: %s holds %d parts, one per rank; no part is loaded until "
+                    "a trainer with %d ranks calls setup()",
+                    folder,
+                    parts,
+                    parts,
+                )
+                return
+        else:
+            if (
+                rank == 0
+                and trainer.local_rank == 0
+                and (self._folder is None or self._prepared_as != (world, ident))
+            ):
+                self.prepare_data()  # (Lightning has normally run it for these ranks already)
+            folder = self._folder
+            if world > 1:
+                # every rank loads from rank 0's folder, whatever it prepared itself before
+                folder = trainer.strategy.broadcast(folder, src=0)
         if folder is None:
             raise RuntimeError("no partition folder: prepare_data() did not run")
+        if Path(folder) != self._folder:
+            self._manifest = None
         self._folder = Path(folder)
         part = load_part(self._folder, rank)
         # A folder this datamodule wrote already has [N] masks (a no-op); a given folder may
         # hold [N, S] masks: selecting rows then a column = selecting a column then rows.
         given = self._partition_folder_given() is not None
-        if given and self.split != 0 and not _multi_split_keys(part.data, self._mask_keys()):
+        if given and self.split != 0 and not _multi_split_keys(part.data, keys):
             raise ValueError(
                 f"split={self.split} but the partition folder {self._folder} holds single-split [N] masks: "
                 "its split was chosen when it was written (e.g. lightning-fullgraph partition NAME "
                 "--dataset-kwargs '{\"split\": k}'); leave split=0 with a partition folder"
             )
-        part.data = select_mask_split(part.data, self.split if given else 0, self._mask_keys())
-        self.local_partition = part
-        if self.local_partition.plan.world_size != world:
+        part.data = select_mask_split(part.data, self.split if given else 0, keys)
+        if part.plan.world_size != world:
             raise PartitionCacheError(
-                f"{self._folder} holds {self.local_partition.plan.world_size} parts but {world} rank(s) run"
+                f"{self._folder} holds {part.plan.world_size} parts but {world} rank(s) run; each rank trains "
+                f"one part: give data as the graph itself with num_parts=None (it is partitioned for the "
+                f"trainer's ranks), or a partition folder of {world} parts, or run {part.plan.world_size} ranks"
             )
+        self.local_partition = part
+        self._loaded_as = (rank, world, ident)
 
     @property
     def manifest(self) -> dict[str, Any]:
@@ -414,6 +514,20 @@ class FullGraphDataModule(pl.LightningDataModule):
 
     def _loader(self) -> DataLoader:
         if self.local_partition is None:
+            prepared = self._prepared_as
+            if (
+                self.trainer is None
+                and self._folder is not None
+                and prepared is not None
+                and prepared[0] != 1
+            ):
+                parts = prepared[0]
+                raise RuntimeError(
+                    f"FullGraphDataModule(num_parts={parts}) was set up without a trainer: {self._folder} holds "
+                    f"{parts} parts, one per rank, and no rank is known here, so no part is loaded. Train "
+                    f"with Trainer(devices={parts}, strategy='fullgraph_quant') (its setup loads each rank's "
+                    f"part), or use num_parts=None (one part) to iterate the whole graph in this process"
+                )
             raise RuntimeError("call setup() (the Trainer does) before asking for dataloaders")
         return DataLoader(_OneGraph(self.local_partition.data), batch_size=None, collate_fn=_identity)
 

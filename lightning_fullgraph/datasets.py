@@ -29,13 +29,17 @@ Read-only dataset roots (e.g. a shared offline copy) are supported: PyG writes
 files of the requested dataset (only that one) are mirrored into a writable
 cache folder and loaded from there.  The cache folder is, in order of
 precedence, the ``cache_dir`` keyword, the ``LIGHTNING_FULLGRAPH_DATA_CACHE``
-environment variable, or ``~/.cache/lightning_fullgraph/datasets``.
+environment variable, or ``$XDG_CACHE_HOME/lightning-fullgraph/datasets``
+(``~/.cache/lightning-fullgraph/datasets``; an earlier version's
+``~/.cache/lightning_fullgraph/datasets`` is used while the new one does not exist, with a
+warning saying how to move it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import math
 import os
 import shutil
@@ -56,6 +60,8 @@ __all__ = ["community_graph", "load_dataset", "dataset_names", "CACHE_ENV_VAR"]
 
 #: Environment variable overriding the default writable cache folder.
 CACHE_ENV_VAR = "LIGHTNING_FULLGRAPH_DATA_CACHE"
+
+log = logging.getLogger(__name__)
 
 # Rows of the feature matrix filled per step (bounds the temporary memory).
 _FEATURE_CHUNK = 1 << 16
@@ -350,11 +356,39 @@ def dataset_names() -> list[str]:
     return [*_SYNTHETIC, *GENERATED_NAMES, *(s.display for s in _SPECS)]
 
 
+_LEGACY_NAMED: set[Path] = set()
+
+
 def _default_cache_dir() -> Path:
+    """``$LIGHTNING_FULLGRAPH_DATA_CACHE``, else ``datasets`` in
+    :func:`~lightning_fullgraph.partition.cache.user_cache_dir` (a hyphenated folder: one
+    named like the package shadows it for Python started beside it).  An earlier version's
+    ``~/.cache/lightning_fullgraph/datasets`` is used while the new folder does not exist
+    (its downloads stay usable offline), with one warning per process saying how to move it."""
     env = os.environ.get(CACHE_ENV_VAR)
     if env:
         return Path(env).expanduser()
-    return Path.home() / ".cache" / "lightning_fullgraph" / "datasets"
+    from lightning_fullgraph.partition.cache import user_cache_dir
+
+    new = user_cache_dir() / "datasets"
+    try:
+        old = Path.home() / ".cache" / "lightning_fullgraph" / "datasets"
+    except (RuntimeError, KeyError):
+        return new
+    if new.exists() or not old.is_dir():
+        return new
+    if old not in _LEGACY_NAMED:
+        _LEGACY_NAMED.add(old)
+        log.warning(
+            "using the dataset cache of an earlier version, %s; move it to the current default (a folder "
+            "named lightning_fullgraph shadows the package for Python started in %s): mkdir -p %s && mv %s %s",
+            old,
+            old.parent.parent,
+            new.parent,
+            old,
+            new,
+        )
+    return old
 
 
 def _dataset_subdir(spec: _Spec, root: Path) -> str:
@@ -668,7 +702,7 @@ def load_dataset(name: str, root: str | os.PathLike[str] | None = None, **kwargs
         **kwargs: For the synthetic dataset, :func:`community_graph` arguments.
             Otherwise: ``cache_dir`` (writable cache folder; default from the
             ``LIGHTNING_FULLGRAPH_DATA_CACHE`` env var or
-            ``~/.cache/lightning_fullgraph/datasets``), ``split`` (int, column of
+            ``~/.cache/lightning-fullgraph/datasets``), ``split`` (int, column of
             multi-split masks, default 0), ``seed`` (int, for generated splits,
             default 0), ``train_per_class`` / ``num_val`` / ``num_test`` (generated
             Planetoid-style splits, default 20 / 500 / 1000) and

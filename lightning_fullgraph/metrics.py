@@ -9,12 +9,16 @@ the others are identical on every rank.
 ``comm/bytes_sent``            sum: bytes of the per-epoch layer messages (forward rows and
                                backward gradients, row metadata included) put on the wire
 ``comm/bytes_recv``            sum: the same, received
-``comm/onetime_bytes``         sum: bytes of cached transfers (input features, degrees):
+``comm/onetime_bytes``         sum: bytes of cached transfers (input features, degrees)
+                               since the last training step, the sanity check's included:
                                the first epoch only; 0 for convs whose first message is a
                                transform of the features (GCN sends ``lin(x)`` each epoch)
 ``comm/control_bytes``         sum: the policies' control rows (AdaQP's scores, bit-widths)
 ``comm/bits``                  payload bits per value of the per-epoch messages, both
-                               directions (32 for fp32; without row metadata)
+                               directions (32 for fp32; without row metadata); not logged
+                               in an epoch that sends no message (Sylvie's last epoch and
+                               the one before a synchronous epoch), nor are the other
+                               ``bits`` figures
 ``comm/wire_bits``             the same with the per-row metadata (min and range)
 ``comm/bits_forward``,
 ``comm/bits_backward``         payload bits per value, one direction
@@ -32,6 +36,7 @@ the others are identical on every rank.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -39,13 +44,73 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-__all__ = ["CommMetricsLogger"]
+__all__ = ["CommMetricsLogger", "CommTotals"]
 
 _PROGRESS_BAR = ("comm/bytes_sent", "comm/bits")
 
 
+@dataclass
+class CommTotals:
+    """Halo traffic of a fit summed over its training epochs and ranks (for the end-of-fit
+    line).  ``exact_bytes`` is what fp32 messages of the same rows would have put on the wire
+    in every epoch: each epoch's values at 4 bytes, and an epoch that sent nothing counted
+    as the largest epoch that did (an exact run sends every epoch)."""
+
+    epochs: int = 0
+    epochs_sent: int = 0
+    bytes_sent: float = 0.0
+    onetime_bytes: float = 0.0
+    control_bytes: float = 0.0
+    payload_bits: float = 0.0
+    values: float = 0.0
+    max_epoch_values: float = 0.0
+
+    def add(self, bytes_sent: float, onetime: float, control: float, payload_bits: float, values: float) -> None:
+        self.epochs += 1
+        self.bytes_sent += bytes_sent
+        self.onetime_bytes += onetime
+        self.control_bytes += control
+        if values > 0:
+            self.epochs_sent += 1
+            self.payload_bits += payload_bits
+            self.values += values
+            self.max_epoch_values = max(self.max_epoch_values, values)
+
+    @property
+    def mean_bits(self) -> float:
+        """Payload bits per value over the epochs that sent (0: none sent)."""
+        return self.payload_bits / self.values if self.values else 0.0
+
+    @property
+    def exact_bytes(self) -> float:
+        return 4.0 * (self.values + (self.epochs - self.epochs_sent) * self.max_epoch_values)
+
+    def summary(self, mode: str) -> str | None:
+        """One line: MB sent, mean bits, epochs that sent, against fp32 messages."""
+        if not self.epochs:
+            return None
+        mb = self.bytes_sent / 2**20
+        line = (
+            f"FullGraphStrategy [{mode}]: {self.epochs} training epoch(s), halo messages {mb:.2f} MB "
+            f"(all ranks) in {self.epochs_sent} epoch(s) that sent"
+        )
+        if self.epochs_sent:
+            line += f", {self.mean_bits:.2f} bits per value on average"
+        if self.exact_bytes and mode != "exact":
+            line += f"; fp32 messages every epoch: {self.exact_bytes / 2**20:.2f} MB ({self.exact_bytes / max(self.bytes_sent, 1.0):.1f}x)"
+        line += f"; one-time transfers {self.onetime_bytes / 2**20:.2f} MB"
+        return line
+
+
 class CommMetricsLogger(Callback):
-    """Logs the halo traffic of every training step (see the module docstring)."""
+    """Logs the halo traffic of every training step (see the module docstring), and adds it
+    to :attr:`totals` (reset when a fit starts)."""
+
+    def __init__(self) -> None:
+        self.totals = CommTotals()
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.totals = CommTotals()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         strategy = trainer.strategy
@@ -72,6 +137,7 @@ class CommMetricsLogger(Callback):
         def ratio(a: float, b: float) -> float:
             return a / b if b else 0.0
 
+        self.totals.add(v[0], v[2], v[3], sum(payload), sum(count))
         figures = {
             "comm/bytes_sent": v[0],
             "comm/bytes_recv": v[1],
@@ -80,14 +146,18 @@ class CommMetricsLogger(Callback):
             "comm/exchanges": v[4],
             "comm/wait_time": v[5],
             "comm/quant_time": v[6],
-            "comm/bits": ratio(sum(payload), sum(count)),
-            "comm/wire_bits": ratio(sum(wire), sum(count)),
-            "comm/bits_forward": ratio(payload[0], count[0]),
-            "comm/bits_backward": ratio(payload[1], count[1]),
         }
+        # bits per value of an epoch that sent nothing is undefined, not 0: not logged
+        if sum(count):
+            figures["comm/bits"] = ratio(sum(payload), sum(count))
+            figures["comm/wire_bits"] = ratio(sum(wire), sum(count))
+        for d, direction in enumerate(directions):
+            if count[d]:
+                figures[f"comm/bits_{direction}"] = ratio(payload[d], count[d])
         n = len(layers)
         for i, k in enumerate(layers):
-            figures[f"comm/bits_layer{k}"] = ratio(v[13 + i], v[13 + n + i])
+            if v[13 + n + i]:
+                figures[f"comm/bits_layer{k}"] = ratio(v[13 + i], v[13 + n + i])
         st = exchanger.policy.pipeline
         if st is not None:
             # the schedule is identical on every rank: these are this rank's (= every rank's)

@@ -13,13 +13,17 @@ whole graph:
 where :math:`\mathcal{T}_r` are rank :math:`r`'s training nodes, :math:`n_r = |\mathcal{T}_r|`
 and :math:`n = \sum_r n_r`.  Each rank back-propagates :math:`(n_r/n)\,\mathcal{L}_r` (the
 halo backward carries that scaling to the rows' owners) and the gradients are summed with
-one all-reduce.  DDP's wrapper is not used: its bucket all-reduces would average instead and
-would interleave with halo traffic issued from autograd.
+one all-reduce after each backward call -- only what that call added, so a gradient
+accumulated over several calls (manual optimization, stepping every k-th epoch, closures) is
+summed exactly once and ``p.grad`` is the single-process gradient whenever user code sees it.
+DDP's wrapper is not used: its bucket all-reduces would average instead and would interleave
+with halo traffic issued from autograd.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -31,7 +35,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -228,6 +232,17 @@ class FullGraphStrategy(DDPStrategy):
         self._partition_id: dict[str, Any] = {}
         self._in_step = False
         self._step_started = 0.0
+        self._grads_before: dict[Tensor, Tensor | None] | None = None
+        # the stage whose step is running (its mask names it), for reduce()
+        self._logging_stage: str | None = None
+        # this rank's node count per stage mask, and the stages where some rank has none
+        self._stage_nodes: dict[str, int] = {}
+        self._empty_stages: frozenset[str] = frozenset()
+        # per rank: owned rows, halo rows, edges from halo rows, edges (set at setup)
+        self._rank_figures = torch.zeros(1, 4, dtype=torch.float64)
+        # one-time bytes (sent, received) counted when the last training step ended
+        self._onetime_at_step_end = (0, 0)
+        self._warned_input = False
         self._epochs_run = 0
         #: Halo rows' share of the aggregation inputs of the whole graph (set at setup).
         self.halo_share = 0.0
@@ -296,11 +311,14 @@ class FullGraphStrategy(DDPStrategy):
         plan = partition.plan.to(self.root_device)
         self._exchanger = HaloExchanger(plan, group=self._halo_group, policy=self.policy)
         self._exchanger.skip_transfers = self.compute_only
+        self._onetime_at_step_end = (0, 0)
+        self._warned_input = False
         for key in partition.data.keys():
             value = partition.data[key]
             if isinstance(value, Tensor) and value.dim() > 0 and value.size(0) == plan.num_owned:
                 self._exchanger.register_static(value)
-        self.halo_share = self._halo_share(partition.data.edge_index, plan.num_owned)
+        self.halo_share = self._graph_figures(partition)
+        self._count_stage_nodes(partition)
         fitting = trainer.state.fn == TrainerFn.FITTING
         max_epochs = trainer.max_epochs if fitting else None
         self.policy.setup(
@@ -327,10 +345,29 @@ class FullGraphStrategy(DDPStrategy):
         _warn_non_exact_layers(self.lightning_module)
         if fitting:
             self._loss_scale = self._compute_loss_scale(partition)
+            if trainer.accumulate_grad_batches > 1:
+                rank_zero_warn(
+                    f"accumulate_grad_batches={trainer.accumulate_grad_batches}: every epoch is one batch (the "
+                    "whole graph), so Lightning steps once every "
+                    f"{trainer.accumulate_grad_batches} epochs with the mean of their gradients -- the same "
+                    "gradient as one epoch, with "
+                    f"{trainer.accumulate_grad_batches} times fewer updates (training at 1/"
+                    f"{trainer.accumulate_grad_batches} of the learning rate per epoch). Nothing is gained "
+                    "in memory; set accumulate_grad_batches=1"
+                )
             if trainer.log_every_n_steps == _LIGHTNING_DEFAULT_LOG_EVERY:
                 # One optimizer step per epoch: Lightning's default of 50 steps would log the
                 # training metrics once every 50 epochs (none at all in a 50-epoch run).
                 trainer.log_every_n_steps = 1
+        if fitting:
+            rank_zero_info(self.describe_run())
+            if self.world_size > 1 and self.policy.name != "exact" and self.halo_share < self.SMALL_HALO_SHARE:
+                rank_zero_warn(
+                    f"halo rows are {self.halo_share:.1%} of the aggregation inputs: compressing them cannot "
+                    f"change much, in accuracy or in time ({self.policy.name} and exact train alike). "
+                    "Compression pays where partitions share many boundary rows (more parts, a graph "
+                    "with less locality)"
+                )
         self._comm_warning.install()
         self._leafspec_warning.install()
         if self._comm_callback not in trainer.callbacks:
@@ -367,16 +404,60 @@ class FullGraphStrategy(DDPStrategy):
             raise ValueError(f"no node anywhere is set in `{self.mask_key}`: there is nothing to train on")
         return float(local) / float(total)
 
-    def _halo_share(self, edge_index: Tensor, num_owned: int) -> float:
-        """The share of halo rows among the aggregation inputs of the whole graph: edges whose
-        source is a halo row, over all edges plus one self term per node (GCN's self-loop, SAGE's
-        root term).  A collective: every rank gets the same figure."""
-        halo = float((edge_index[0] >= num_owned).sum()) if edge_index.numel() else 0.0
-        counts = torch.tensor([halo, float(edge_index.size(1) + num_owned)], dtype=torch.float64)
+    _STAGE_MASKS = ("train_mask", "val_mask", "test_mask")
+
+    def _count_stage_nodes(self, partition: LocalPartition) -> None:
+        """This rank's node count in each stage mask, and which stages have a rank without
+        any (one all-reduce; the same answer on every rank)."""
+        counts = {}
+        for key in self._STAGE_MASKS:
+            mask = getattr(partition.data, key, None)
+            if isinstance(mask, Tensor) and mask.dtype == torch.bool:
+                counts[key] = int(mask.sum())
+        self._stage_nodes = counts
+        empty = torch.tensor([float(counts.get(k, 1) == 0) for k in self._STAGE_MASKS], dtype=torch.float64)
         if self.world_size > 1:
-            counts = counts.to(self.root_device)
-            dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-        return float(counts[0] / counts[1]) if float(counts[1]) > 0 else 0.0
+            empty = empty.to(self.root_device)
+            dist.all_reduce(empty, op=dist.ReduceOp.MAX)
+        self._empty_stages = frozenset(k for k, e in zip(self._STAGE_MASKS, empty.tolist()) if e)
+
+    def _graph_figures(self, partition: LocalPartition) -> float:
+        """Returns the share of halo rows among the aggregation inputs of the whole graph:
+        edges whose source is a halo row, over all edges plus one self term per node (GCN's
+        self-loop, SAGE's root term); keeps every rank's owned and halo rows and edges for the
+        fit-start line.  One all-gather: every rank gets the same figures."""
+        edge_index, plan = partition.data.edge_index, partition.plan
+        halo_edges = float((edge_index[0] >= plan.num_owned).sum()) if edge_index.numel() else 0.0
+        mine = torch.tensor(
+            [float(plan.num_owned), float(plan.num_halo), halo_edges, float(edge_index.size(1))], dtype=torch.float64
+        )
+        if self.world_size > 1:
+            mine = mine.to(self.root_device)
+            rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(rows, mine)
+            table = torch.stack(rows).cpu()
+        else:
+            table = mine.reshape(1, -1)
+        self._rank_figures = table
+        inputs = float(table[:, 3].sum() + table[:, 0].sum())
+        return float(table[:, 2].sum()) / inputs if inputs > 0 else 0.0
+
+    def describe_run(self) -> str:
+        """The fit-start line: mode and settings, graph, parts, halo rows per rank and their
+        share of the aggregation inputs."""
+        table = self._rank_figures
+        settings = ", ".join(f"{k}={v}" for k, v in self.policy.settings().items() if v is not None)
+        nodes, edges = int(table[:, 0].sum()), int(table[:, 3].sum())
+        halo = [int(h) for h in table[:, 1].tolist()]
+        shown = ", ".join(map(str, halo[:8])) + (", ..." if len(halo) > 8 else "")
+        return (
+            f"FullGraphStrategy: mode {self.policy.name}{f' ({settings})' if settings else ''}; graph "
+            f"{nodes:,} nodes, {edges:,} edges in {self.world_size} part(s); halo rows per rank [{shown}] "
+            f"({sum(halo) / max(nodes, 1):.1%} of the nodes), {self.halo_share:.1%} of the aggregation inputs"
+        )
+
+    #: Below this share of the aggregation inputs, compressing halo messages cannot matter.
+    SMALL_HALO_SHARE = 0.02
 
     @override
     def configure_ddp(self) -> None:
@@ -389,7 +470,15 @@ class FullGraphStrategy(DDPStrategy):
         exchanger = self._exchanger
         if exchanger is not None:
             assert self.lightning_module is not None
-            exchanger.stats.reset()
+            # one-time transfers outside training (the sanity check, validation) count toward
+            # this step's comm/onetime_bytes instead of vanishing with the reset
+            stats = exchanger.stats
+            carried = (
+                stats.bytes_sent["onetime"] - self._onetime_at_step_end[0],
+                stats.bytes_recv["onetime"] - self._onetime_at_step_end[1],
+            )
+            stats.reset()
+            stats.bytes_sent["onetime"], stats.bytes_recv["onetime"] = carried
             self._step_loss = None
             epoch = self.lightning_module.current_epoch
             # the policy's decisions for this epoch (may be collective: every rank is here)
@@ -398,17 +487,34 @@ class FullGraphStrategy(DDPStrategy):
             self._in_step = True
             self._step_started = time.perf_counter()
         self._set_log_batch_size("train_mask")
-        return super().training_step(*args, **kwargs)
+        try:
+            out = super().training_step(*args, **kwargs)
+        finally:
+            self._logging_stage = None
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization:
+            # every backward call of the step has run
+            self._end_training_step()
+        self._forget_empty_means()
+        return out
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         self._set_log_batch_size("val_mask")
-        return super().validation_step(*args, **kwargs)
+        try:
+            return super().validation_step(*args, **kwargs)
+        finally:
+            self._logging_stage = None
+            self._forget_empty_means()
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         self._set_log_batch_size("test_mask")
-        return super().test_step(*args, **kwargs)
+        try:
+            return super().test_step(*args, **kwargs)
+        finally:
+            self._logging_stage = None
+            self._forget_empty_means()
 
     def _set_log_batch_size(self, mask_key: str) -> None:
         """The ``batch_size`` of the step's ``self.log`` calls: this rank's nodes in the stage's
@@ -423,6 +529,59 @@ class FullGraphStrategy(DDPStrategy):
         mask = getattr(self._partition.data, mask_key, None)
         count = int(mask.sum()) if isinstance(mask, Tensor) and mask.dtype == torch.bool else 1
         results.batch_size = count
+        self._logging_stage = mask_key
+
+    def _forget_empty_means(self) -> None:
+        """A rank with no node in the stage's mask logs a mean over no node (NaN for a loss)
+        with weight 0, and ``NaN * 0`` is NaN: the epoch's weighted mean over ranks would be
+        NaN on every rank.  Such an accumulated value carries no information; make it 0."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        results = getattr(trainer, "_results", None) if trainer is not None else None
+        if results is None:
+            return
+        for metric in results.values():
+            value = getattr(metric, "value", None)
+            if (
+                getattr(metric, "is_tensor", False)
+                and metric.meta.is_mean_reduction
+                and isinstance(value, Tensor)
+                and float(metric.cumulated_batch_size) == 0
+                and not bool(torch.isfinite(value).all())
+            ):
+                metric.value = torch.zeros_like(value)
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean"
+    ) -> Tensor | Any:
+        """Lightning's reduction (``self.log(..., sync_dist=True)``, ``strategy.reduce``), with
+        two corrections to a mean over ranks:
+
+        * inside a step whose stage has a rank without nodes (``_empty_stages``, the same on
+          every rank), the ranks without nodes are left out -- their value, a mean over no
+          node, is meaningless (NaN for a loss): ``sum_r has_r x_r / sum_r has_r``;
+        * an integer tensor's mean is a float (Lightning's divides in place and floors: the
+          summed batch sizes 21 + 0 of an epoch mean became 10, not 10.5, skewing the
+          weighted epoch value).
+        """
+        mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
+        stage = self._logging_stage
+        excluding = stage is not None and stage in self._empty_stages
+        if (
+            not mean
+            or self.world_size == 1
+            or not isinstance(tensor, Tensor)
+            or (tensor.is_floating_point() and not excluding)
+        ):
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        has = not excluding or self._stage_nodes.get(stage, 1) > 0  # type: ignore[arg-type]
+        value = tensor.detach().to(torch.float64).reshape(-1)
+        packed = torch.cat([value if has else torch.zeros_like(value), value.new_tensor([float(has)])])
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+        count = float(packed[-1])
+        out = packed[:-1] / count if count else torch.full_like(packed[:-1], math.nan)
+        dtype = tensor.dtype if tensor.is_floating_point() else torch.get_default_dtype()
+        return out.reshape(tensor.shape).to(dtype)
 
     @override
     def backward(
@@ -441,17 +600,30 @@ class FullGraphStrategy(DDPStrategy):
                     "output was finite, so the loss computation itself produced it"
                 )
             scaled = closure_loss * self._loss_scale
-        self._step_loss = scaled.detach()
+        # a step may call backward several times (manual optimization): its loss is the sum
+        self._step_loss = scaled.detach() if self._step_loss is None else self._step_loss + scaled.detach()
+        self._grads_before = self._gradient_snapshot() if self.world_size > 1 else None
         super().backward(scaled, optimizer, *args, **kwargs)
         return closure_loss
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         if self.world_size > 1:
-            self._all_reduce_gradients()
+            self._all_reduce_gradients(self._grads_before)
+        self._grads_before = None
+        module = self.lightning_module
+        if module is not None and module.automatic_optimization:
+            # (manual optimization: the step may call backward again; it ends in training_step)
+            self._end_training_step()
+
+    def _end_training_step(self) -> None:
+        """The step's last backward ran: hand the policy the epoch's global loss and time."""
         if self._exchanger is not None and self._in_step:
             self._in_step = False
             self._exchanger.begin_step(training=False)
+            stats = self._exchanger.stats
+            self._onetime_at_step_end = (stats.bytes_sent["onetime"], stats.bytes_recv["onetime"])
+            self._warn_transformed_input()
             assert self.lightning_module is not None
             loss = seconds = None
             if self.policy.needs_global_loss and self._step_loss is not None:
@@ -468,11 +640,56 @@ class FullGraphStrategy(DDPStrategy):
             self.step_figures.update(self.policy.on_train_epoch_end(epoch, loss, seconds))
             self._epochs_run = epoch + 1
 
-    def _all_reduce_gradients(self) -> None:
+    def _warn_transformed_input(self) -> None:
+        """Once per fit: the first layer's message is a transform of the batch's features
+        (dropout on ``batch.x`` before the first conv): rows that would travel once, cached,
+        now travel every epoch.  Names the factor of extra per-epoch traffic."""
+        exchanger = self._exchanger
+        if exchanger is None or exchanger.transformed_input is None or self._warned_input:
+            return
+        self._warned_input = True
+        layer, width = exchanger.transformed_input
+        values = exchanger.stats.layer_values
+        total, first = float(sum(values.values())), float(values.get(layer, 0))
+        if first == 0:
+            return
+        factor = f"{total / (total - first):.1f}x" if total > first else "from none to"
+        rank_zero_warn(
+            f"the first message-passing layer's input is not the batch's features but a tensor of the same "
+            f"shape (dropout or another transform of `batch.x` before the first conv?): its halo rows, "
+            f"{width} values each, travel every epoch instead of once, cached; that makes this model's "
+            f"per-epoch halo traffic {factor} what it would be. Apply the transform inside or after the "
+            "first conv, or accept the traffic"
+        )
+
+    def _gradient_snapshot(self) -> dict[Tensor, Tensor | None]:
+        """Every trainable parameter's gradient before a backward call (copies; ``None`` where
+        there is none): what that call adds is ``p.grad - before``."""
+        assert self.lightning_module is not None
+        return {
+            p: (p.grad.detach().clone() if p.grad is not None else None)
+            for p in self.lightning_module.parameters()
+            if p.requires_grad
+        }
+
+    def _all_reduce_gradients(self, before: dict[Tensor, Tensor | None] | None = None) -> None:
+        """Sums over ranks what the backward call that just ran added to every gradient.
+
+        Only that call's contribution crosses the wire, and it is added to the gradient held
+        before the call: a gradient accumulated over several backward calls (manual
+        optimization, a regulariser's own backward, stepping every k-th epoch) is summed once,
+        never again, and ``p.grad`` is the single-process gradient whenever user code sees it
+        (clipping, inspection, ``optimizer.step``), as under DDP.
+
+        Args:
+            before: :meth:`_gradient_snapshot` taken before the call (``None``: no gradient
+                existed, the whole of ``p.grad`` is the call's).
+        """
         assert self.lightning_module is not None
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
         if not params:
             return
+        before = before or {}
         # A parameter may have a gradient on some ranks only (e.g. a branch unused here):
         # agree first, so that all ranks all-reduce the same buffers.
         has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=self.root_device)
@@ -483,9 +700,11 @@ class FullGraphStrategy(DDPStrategy):
                 p.grad = torch.zeros_like(p)
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for p in live:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-        for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            by_dtype.setdefault(p.grad.dtype, []).append(p)
+        for group in by_dtype.values():
+            olds = [before.get(p) for p in group]
+            added = [p.grad if old is None else p.grad - old for p, old in zip(group, olds)]
+            flat = torch.cat([a.reshape(-1) for a in added])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
             if self.check_finite and not all_finite(flat):
                 raise FloatingPointError(
@@ -493,9 +712,10 @@ class FullGraphStrategy(DDPStrategy):
                     "layer output and loss was finite on this rank; another rank's log names the cause"
                 )
             offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+            for p, old in zip(group, olds):
+                total = flat[offset : offset + p.numel()].view_as(p.grad)
+                p.grad.copy_(total if old is None else old + total)
+                offset += p.numel()
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -554,6 +774,9 @@ class FullGraphStrategy(DDPStrategy):
             # after SIGTERM/SIGINT a peer may be gone: forget transfers in flight, never wait
             self.policy.teardown(failed=self._failed or signalled)
             if self._epochs_run and not (self._failed or signalled):
+                totals = self._comm_callback.totals.summary(self.policy.name)
+                if totals is not None:
+                    rank_zero_info(totals)
                 summary = self.policy.summary(self._epochs_run)
                 if summary is not None:
                     rank_zero_warn(summary)

@@ -20,7 +20,14 @@ import torch
 from torch import Tensor
 from torch_geometric.data import Data
 
-__all__ = ["MASK_KEYS", "EDGE_KEYS", "GraphValidationError", "all_finite", "validate_graph"]
+__all__ = [
+    "MASK_KEYS",
+    "EDGE_KEYS",
+    "GraphValidationError",
+    "all_finite",
+    "mask_dtype_problem",
+    "validate_graph",
+]
 
 MASK_KEYS: tuple[str, ...] = ("train_mask", "val_mask", "test_mask")
 """Node masks that are checked whenever present (plus ``mask_key``)."""
@@ -203,23 +210,40 @@ def _check_y(data: Data, num_nodes: int) -> None:
         )
 
 
+def mask_dtype_problem(key: str, mask: Tensor, num_nodes: int) -> str | None:
+    """What is wrong with a node mask that is not bool, and how to convert it (``None`` for
+    a bool mask).  One message for :func:`validate_graph` and for
+    :func:`~lightning_fullgraph.datamodule.select_mask_split`, whichever finds it first.
+
+    A floating mask, or an integer one of shape ``[num_nodes, S]`` (one 0/1 column per split),
+    is converted with ``!= 0``; any other integer mask looks like an index tensor
+    (``index_to_mask``)."""
+    if mask.dtype == torch.bool:
+        return None
+    shape = list(mask.shape)
+    multi = mask.dim() == 2 and mask.size(0) == num_nodes
+    if _is_integer(mask) and not multi:
+        return (
+            f"data.{key} has dtype {mask.dtype} and shape {shape}, but node masks must be bool [num_nodes] "
+            f"(or [num_nodes, S] for S splits); it looks like an index tensor: convert with index_to_mask, "
+            f"e.g. data.{key} = torch_geometric.utils.index_to_mask(data.{key}, size={num_nodes})"
+        )
+    what = f" (a multi-split mask: S={mask.size(1)} splits, one column each)" if multi else ""
+    return (
+        f"data.{key} has dtype {mask.dtype} and shape {shape}{what}, but node masks must be bool "
+        f"([num_nodes], or [num_nodes, S] for S splits); convert it with data.{key} = data.{key} != 0"
+    )
+
+
 def _check_mask(data: Data, key: str, num_nodes: int) -> None:
     mask = data.get(key)
     if mask is None:
         return
     if not isinstance(mask, Tensor):
         raise GraphValidationError(f"data.{key} must be a torch.Tensor, got {type(mask).__name__}")
-    if mask.dtype != torch.bool:
-        if _is_integer(mask):
-            raise GraphValidationError(
-                f"data.{key} has dtype {mask.dtype}, but masks must be bool [num_nodes]; it looks like an "
-                f"index tensor: convert with index_to_mask, e.g. data.{key} = "
-                f"torch_geometric.utils.index_to_mask(data.{key}, size={num_nodes})"
-            )
-        raise GraphValidationError(
-            f"data.{key} has dtype {mask.dtype}, but masks must be bool [num_nodes]; convert it with "
-            f"data.{key} = data.{key} != 0"
-        )
+    problem = mask_dtype_problem(key, mask, num_nodes)
+    if problem is not None:
+        raise GraphValidationError(problem)
     if mask.dim() not in (1, 2) or mask.size(0) != num_nodes:
         raise GraphValidationError(
             f"data.{key} has shape {list(mask.shape)} but the graph has num_nodes={num_nodes}: a node mask "
@@ -227,13 +251,20 @@ def _check_mask(data: Data, key: str, num_nodes: int) -> None:
         )
 
 
-def _check_train(data: Data, mask_key: str) -> None:
+def _check_train(data: Data, mask_key: str, split: int | None = None) -> None:
     mask = data.get(mask_key)
     if mask is None:
         raise GraphValidationError(
             f"data.{mask_key} is missing, so no node is marked for training; add a bool mask "
             f"data.{mask_key} of shape [num_nodes], or pass require_train=False if this graph is not "
             "trained on"
+        )
+    if split is not None and mask.dim() == 1 and not bool(mask.any()):
+        raise GraphValidationError(
+            f"data.{mask_key}[:, {split}] has no True entry: split={split} of the multi-split [N, S] masks "
+            f"has no training node; choose another split with FullGraphDataModule(split=k), mark the "
+            f"training nodes of split {split} in data.{mask_key}[:, {split}], or pass require_train=False if "
+            "this graph is not trained on"
         )
     if not bool(mask.any()):
         raise GraphValidationError(
@@ -263,6 +294,7 @@ def validate_graph(
     num_parts: int | None = None,
     require_train: bool = True,
     mask_key: str = "train_mask",
+    split: int | None = None,
 ) -> None:
     """Checks that ``data`` is a well-formed graph for partitioning and full-graph training.
 
@@ -285,6 +317,9 @@ def validate_graph(
             skip that check.
         require_train: Require ``data[mask_key]`` to exist and mark at least one node.
         mask_key: Name of the node mask of the training nodes.
+        split: The column of the user's ``[N, S]`` masks that ``data``'s ``[N]`` masks were
+            selected from (``FullGraphDataModule(split=k)``), or ``None``; only named in
+            messages (a split without a training node names the split and the mask).
 
     Raises:
         GraphValidationError: (a ``ValueError``) on the first problem found: ``data`` is not a
@@ -310,6 +345,6 @@ def validate_graph(
     for key in dict.fromkeys((*MASK_KEYS, mask_key)):
         _check_mask(data, key, num_nodes)
     if require_train:
-        _check_train(data, mask_key)
+        _check_train(data, mask_key, split)
     for key in EDGE_KEYS:
         _check_edge_attr(data, key, num_edges)

@@ -66,6 +66,11 @@ class HaloExchanger:
         # features): keyed on object identity + version counter, never on data_ptr, which a
         # later tensor may reuse.
         self._static: dict[int, tuple[weakref.ref, int, Tensor]] = {}
+        #: ``(layer, width)`` of a training message whose input has the shape of a registered
+        #: static tensor without being it (dropout on the features before the first conv):
+        #: rows that could travel once travel every epoch.  Set once, by the first step.
+        self.transformed_input: tuple[int, int] | None = None
+        self._input_checked = False
 
     @property
     def plan(self) -> HaloPlan:
@@ -209,9 +214,24 @@ class HaloExchanger:
         if self.training and not exact and (grad or not self._is_static(x)):
             layer = self._layer
             self._layer += 1
+            if layer == 0 and not self._input_checked:
+                self._input_checked = True
+                if self._looks_like_static(x):
+                    self.transformed_input = (layer, int(x[0].numel()) if x.dim() > 1 else 1)
             self.policy.observe_score(layer, score)
             return layer
         return None
+
+    def _looks_like_static(self, x: Tensor) -> bool:
+        """A tensor with the shape and dtype of a registered static tensor, not that tensor
+        (e.g. ``dropout(batch.x)``)."""
+        if self._is_static(x) or x.size(0) != self.plan.num_owned:
+            return False
+        for ref in self._static_refs:
+            t = ref()
+            if t is not None and t.shape == x.shape and t.dtype == x.dtype:
+                return True
+        return False
 
     def _halo(self, x: Tensor, exact: bool, score: Callable[[], Tensor] | None, full: bool = False) -> Tensor:
         """The halo rows ``[H_r, *]``, or with ``full`` ``cat(x, halo)`` ``[N_r + H_r, *]``:
@@ -376,6 +396,7 @@ class _StaleFn(torch.autograd.Function):
             # no earlier block of this layer (a layer that did not run in the last
             # synchronous epoch): fetch fresh rows rather than feed zeros
             st.receive_halo(pipe, exchanger.fetch(x, layer), st.epoch, synchronous=True)
+        st.check_consumable(pipe, layer, "halo rows")
         if policy.launch:
             pipe.fwd_pending = _kept(
                 exchanger.launch(x.detach().index_select(0, exchanger.plan.send_index), layer, "forward")
@@ -395,7 +416,17 @@ class _StaleFn(torch.autograd.Function):
         assert st is not None
         pipe = st.layer(ctx.layer)
         st.land_gradient(pipe)
+        if pipe.grad_added_epoch == st.epoch:
+            raise RuntimeError(
+                f"sylvie: a second backward pass through layer {ctx.layer} in epoch {st.epoch}; an "
+                "asynchronous epoch carries one gradient block per layer (each backward would add the "
+                "previous epoch's block again). Back-propagate the sum of the losses in one call, or "
+                "use mode='adaqp' (synchronous low-bit messages)"
+            )
+        pipe.grad_added_epoch = st.epoch
         stale = st.grad_rows(pipe)
+        if stale is not None:
+            st.check_consumable(pipe, ctx.layer, "gradients")
         exchanger.stats.backward_exchanges += 1
         if policy.launch:
             pipe.grad_pending = _kept(exchanger.launch(grad_halo.contiguous(), ctx.layer, "backward"))

@@ -543,6 +543,17 @@ class SylviePolicy(_QuantizedPolicy):
     def on_train_epoch_start(self, epoch: int) -> dict[str, float]:
         figures = self._assign(epoch)
         self.synchronous = self.is_sync(epoch)
+        if not self.synchronous and not self._state.holds_blocks_of(epoch - 1):
+            # The bound is one epoch: a stale epoch consumes only blocks sent in the epoch
+            # before.  After a resume (the checkpoint's last epoch sent nothing, or its state
+            # was reset for another world size) the pipeline holds older blocks or none:
+            # consuming them would use rows two or more epochs old and add a gradient block a
+            # second time, so this epoch exchanges fresh ones instead.
+            self.synchronous = True
+            rank_zero_info(
+                f"sylvie: epoch {epoch} runs synchronous: the pipeline holds no halo block of epoch "
+                f"{epoch - 1} (resumed from a checkpoint), and the staleness bound is one epoch"
+            )
         # sends of this epoch are consumed by the next one, unless it is synchronous (fresh
         # rows replace them) or there is none
         last = self.final_epoch is not None and epoch >= self.final_epoch

@@ -85,6 +85,18 @@ class LayerPipe:
     grad_epoch: int = -1
     grad_pending: Callable[[], Block] | None = None
     grad_pending_epoch: int = -1
+    #: Epoch whose backward last added :attr:`grad` (a block is added once).
+    grad_added_epoch: int = -1
+
+    def newest_halo_epoch(self) -> int:
+        """Epoch of the newest halo block, landed or in flight (-1: none)."""
+        return self.fwd_epoch if self.fwd_pending is not None else (self.halo_epoch if self.halo is not None else -1)
+
+    def newest_grad_epoch(self) -> int:
+        """Epoch of the newest gradient block, landed or in flight (-1: none)."""
+        if self.grad_pending is not None:
+            return self.grad_pending_epoch
+        return self.grad_epoch if self.grad is not None else -1
 
 
 @dataclass
@@ -115,6 +127,23 @@ class StalenessState:
 
     def layer(self, index: int) -> LayerPipe:
         return self.layers.setdefault(index, LayerPipe())
+
+    def holds_blocks_of(self, epoch: int) -> bool:
+        """Whether every layer holds (or is receiving) the halo rows and gradients sent in
+        ``epoch``: what an asynchronous epoch ``epoch + 1`` may consume.  ``False`` without
+        any layer (a fresh or reset pipeline)."""
+        return bool(self.layers) and all(
+            p.newest_halo_epoch() == epoch and p.newest_grad_epoch() == epoch for p in self.layers.values()
+        )
+
+    def check_consumable(self, pipe: LayerPipe, layer: int, what: str) -> None:
+        """Refuses a block older than one epoch (the bound the policy's schedule keeps)."""
+        sent = pipe.halo_epoch if what == "halo rows" else pipe.grad_epoch
+        if sent not in (self.epoch - 1, self.epoch):
+            raise RuntimeError(
+                f"sylvie: layer {layer} would consume {what} sent in epoch {sent} at epoch {self.epoch}, "
+                "beyond the one-epoch staleness bound (a schedule error: please report it)"
+            )
 
     def begin_epoch(self, epoch: int, synchronous: bool) -> None:
         self.epoch = epoch

@@ -6,14 +6,18 @@ Layout of a partition folder::
         manifest.json       format version, graph fingerprint, method, balance, part count,
                             seed, per-part node/edge counts and their imbalance (max/mean),
                             and per part: file name, byte size, sha256, node/halo/edge counts
-        part-00000.pt       LocalPartition.state() of rank 0 (torch.save, tensors only)
+        part-00000.pt       LocalPartition.state() of rank 0 (torch.save, tensors and plain
+                            values) plus its record: the format version and the identity of
+                            the partition it belongs to (graph fingerprint, method, balance,
+                            part count, seed)
         part-00001.pt       ...
 
 A rank reads the manifest and ONLY its own part file, so per-rank memory shrinks as ranks
 are added.  Every load re-checks the manifest against its schema and against what the caller
-expects (graph fingerprint, method, part count, seed, format version) and the part file
-against its recorded size and checksum, so a stale, truncated or foreign cache is rebuilt or
-refused with the reason, never used silently.
+expects (graph fingerprint, method, part count, seed, format version), the part file against
+its recorded size and checksum, and the part file's record against the manifest, so a stale,
+truncated or foreign cache (also a part file copied from another graph's folder together with
+its manifest entry) is rebuilt or refused with the reason, never used silently.
 
 ``balance`` (``"edges"`` or ``"nodes"``, see
 :func:`~lightning_fullgraph.partition.partitioner.partition_graph`) is part of what
@@ -79,6 +83,7 @@ __all__ = [
     "PartitionCacheWriteError",
     "PartitionResult",
     "default_cache_root",
+    "user_cache_dir",
     "ensure_partitions",
     "graph_fingerprint",
     "load_part",
@@ -92,7 +97,10 @@ log = logging.getLogger(__name__)
 # global id; a version-1 folder is rebuilt, never read with the other layout.
 # 3: the locality order numbers owned nodes by recursive-bisection blocks, not reverse
 # Cuthill-McKee; a version-2 folder holds the same rows in another order and is rebuilt.
-FORMAT_VERSION = 3
+# 4: every part file records the format version and the identity of its partition (graph
+# fingerprint, method, balance, parts, seed), checked against the manifest when a rank loads it;
+# a version-3 folder (part files without it) is rebuilt, and refused where given as data.
+FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 LOCK_TIMEOUT_ENV = "LIGHTNING_FULLGRAPH_CACHE_LOCK_TIMEOUT"
 DEFAULT_LOCK_TIMEOUT = 2 * 3600.0
@@ -193,12 +201,93 @@ def max_rss_mib() -> float:
     return rss / 2**20 if sys.platform == "darwin" else rss / 1024.0
 
 
+def user_cache_dir() -> Path:
+    """This package's folder in the user's cache: ``$XDG_CACHE_HOME/lightning-fullgraph``,
+    else ``~/.cache/lightning-fullgraph`` (``<tmp>/lightning-fullgraph-<uid>`` where no home
+    folder is known).
+
+    The hyphen matters: a folder named like the package (``lightning_fullgraph``) in the
+    folder Python starts from, or beside a script, is imported as an empty namespace package
+    instead of this one (the former default ``<tmp>/lightning_fullgraph/partitions`` broke
+    ``from lightning_fullgraph import ...`` for Python started from the temporary folder)."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg and os.path.isabs(xdg):  # (the XDG specification ignores a relative path)
+        return Path(xdg) / "lightning-fullgraph"
+    try:
+        return Path.home() / ".cache" / "lightning-fullgraph"
+    except (RuntimeError, KeyError):  # no $HOME and no password-database entry
+        uid = os.getuid() if hasattr(os, "getuid") else "user"
+        return Path(tempfile.gettempdir()) / f"lightning-fullgraph-{uid}"
+
+
+def legacy_cache_root() -> Path:
+    """Where earlier versions kept partitions by default: ``<tmp>/lightning_fullgraph/partitions``
+    (never used now: it shadows the package, and its partitions are of an older format)."""
+    return Path(tempfile.gettempdir()) / "lightning_fullgraph" / "partitions"
+
+
+_WARNED: set[Path] = set()
+
+
+def _name_legacy_cache(new: Path) -> None:
+    """One warning per process if an earlier version's default partition cache exists."""
+    old = legacy_cache_root()
+    if old in _WARNED or not old.is_dir():
+        return
+    _WARNED.add(old)
+    log.warning(
+        "the partition cache of an earlier version, %s, is not used any more (partitions are now "
+        "cached in %s and rebuilt there when needed); as long as %s exists, Python started from %s "
+        "cannot `import lightning_fullgraph`. Remove it: rm -rf %s && rmdir %s",
+        old,
+        new,
+        old.parent,
+        old.parent.parent,
+        old,
+        old.parent,
+    )
+
+
 def default_cache_root() -> Path:
-    """``$LIGHTNING_FULLGRAPH_CACHE`` or ``<tmp>/lightning_fullgraph/partitions``."""
+    """``$LIGHTNING_FULLGRAPH_CACHE``, else ``partitions`` in :func:`user_cache_dir`
+    (``$XDG_CACHE_HOME/lightning-fullgraph/partitions`` or
+    ``~/.cache/lightning-fullgraph/partitions``), created if missing; where that cannot be
+    created or written (a read-only home), ``<tmp>/lightning-fullgraph-<uid>/partitions``, with
+    one warning line naming both.
+
+    Where an earlier version's default (:func:`legacy_cache_root`) exists, one warning line
+    per process says how to remove it (its partitions are not used)."""
     env = os.environ.get("LIGHTNING_FULLGRAPH_CACHE")
     if env:
         return Path(env)
-    return Path(tempfile.gettempdir()) / "lightning_fullgraph" / "partitions"
+    root = user_cache_dir() / "partitions"
+    problem = _not_writable(root)
+    if problem is not None:
+        uid = os.getuid() if hasattr(os, "getuid") else "user"
+        fallback = Path(tempfile.gettempdir()) / f"lightning-fullgraph-{uid}" / "partitions"
+        if root not in _WARNED:
+            _WARNED.add(root)
+            log.warning(
+                "cannot use the default partition cache %s (%s); caching partitions in %s instead "
+                "(choose a folder with LIGHTNING_FULLGRAPH_CACHE or cache_dir=)",
+                root,
+                problem,
+                fallback,
+            )
+        root = fallback
+    _name_legacy_cache(root)
+    return root
+
+
+def _not_writable(folder: Path) -> str | None:
+    """Why ``folder`` cannot be created or written by this user, or ``None``."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return f"{type(err).__name__}: {err.strerror or err}"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return "not writable for this user"
+    return None
 
 
 def _hash_tensor(h: Any, name: str, t: Tensor) -> None:
@@ -684,11 +773,14 @@ def _identity(meta: dict[str, Any]) -> dict[str, Any]:
     return {k: meta[k] for k in keys if k in meta}
 
 
-def _write_part(part: LocalPartition, tmp: Path, path_ref: list[Path]) -> dict[str, Any]:
-    """Saves one part under ``tmp`` and returns its manifest entry."""
+def _write_part(
+    part: LocalPartition, tmp: Path, path_ref: list[Path], identity: dict[str, Any]
+) -> dict[str, Any]:
+    """Saves one part under ``tmp``, with its record (format version, ``identity`` of the
+    partition: :func:`_identity` of the manifest), and returns its manifest entry."""
     name = f"part-{part.plan.rank:05d}.pt"
     path_ref[0] = tmp / name
-    _save_part(part.state(), tmp / name)
+    _save_part({**part.state(), "format_version": FORMAT_VERSION, "partition": dict(identity)}, tmp / name)
     return {
         "file": name,
         "bytes": (tmp / name).stat().st_size,
@@ -729,7 +821,7 @@ def _write_temporary(
             for part in partitions:
                 if pending is not None:
                     wait(pending)
-                pending = writer.submit(_write_part, part, tmp, path_ref)
+                pending = writer.submit(_write_part, part, tmp, path_ref, _identity(meta))
                 del part
             if pending is not None:
                 wait(pending)
@@ -819,7 +911,9 @@ def load_part(folder: str | os.PathLike, rank: int, verify_checksum: bool = True
 
     Raises:
         PartitionCacheError: if the manifest or the file is missing, truncated, corrupted, of
-            another format version or does not match the manifest schema.
+            another format version or does not match the manifest schema, or if the file's
+            record names another graph or partition than the manifest (a part file copied
+            from another folder), naming the file and what to do.
     """
     folder = Path(folder)
     manifest = read_manifest(folder)
@@ -848,10 +942,46 @@ def load_part(folder: str | os.PathLike, rank: int, verify_checksum: bool = True
     # mmap: the tensors are backed by the file's pages (copy-on-write), not copied into
     # anonymous memory, so ranks sharing a machine share the page cache
     state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    _check_part_record(state, path, manifest)
     part = LocalPartition.from_state(state)
     if part.plan.rank != rank:
         raise PartitionCacheError(f"{path} holds the part of rank {part.plan.rank}, not {rank}")
     return part
+
+
+def _check_part_record(state: Any, path: Path, manifest: dict[str, Any]) -> None:
+    """Refuses a part file whose record (format version, graph fingerprint, method, balance,
+    parts, seed) differs from the manifest of its folder: a part of another graph or another
+    partition, which a size and checksum copied along with it cannot reveal."""
+    folder = path.parent
+    rebuild = (
+        f"delete {folder} and rebuild it from the graph (FullGraphDataModule(<graph>, ...) and "
+        f"`lightning-fullgraph partition <graph>` rebuild a missing partition automatically)"
+    )
+    record = state.get("partition") if isinstance(state, dict) else None
+    if not isinstance(record, dict) or state.get("format_version") != FORMAT_VERSION:
+        raise PartitionCacheError(
+            f"part file {path} records no graph fingerprint of format version {FORMAT_VERSION} (it was "
+            f"written by another version of this package, or copied in by hand), so it cannot be "
+            f"checked against the manifest of {folder}; {rebuild}"
+        )
+    expected = _identity(manifest)
+    differ = [k for k in dict.fromkeys((*expected, *record)) if record.get(k) != expected.get(k)]
+    if not differ:
+        return
+    if "fingerprint" in differ:
+        theirs, ours = str(record.get("fingerprint"))[:16], str(expected.get("fingerprint"))[:16]
+        what = f"another graph (fingerprint {theirs}..., the manifest's is {ours}...)"
+    else:
+        what = (
+            "another partition of this graph ("
+            + ", ".join(f"{k} {record.get(k)!r}, the manifest's {expected.get(k)!r}" for k in differ)
+            + ")"
+        )
+    raise PartitionCacheError(
+        f"part file {path} belongs to {what}: it was copied from another partition folder, with or "
+        f"without its manifest entry, and would train this rank on other data; {rebuild}"
+    )
 
 
 def _estimate_bytes(data: Data, planner: PartitionPlanner) -> int:

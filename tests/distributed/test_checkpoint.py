@@ -180,3 +180,62 @@ def test_resume_on_another_partition_layout_resets_the_compression_state(tmp_pat
     saved[CHECKPOINT_KEY]["partition"]["format_version"] = FORMAT_VERSION - 1
     torch.save(saved, path)
     _resume_sylvie(2, _ExpectPolicyState(False, reason="(format_version)"), path, tmp_path)
+
+
+class _RecordAges(pl.Callback):
+    """Appends (epoch, synchronous, ages of the halo blocks consumed) of every epoch (rank 0)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        if trainer.global_rank == 0:
+            policy = trainer.strategy.policy
+            ages = [age for _, _, age in policy.pipeline.ages]
+            with open(self.path, "a") as f:
+                f.write(f"{trainer.current_epoch} {int(policy.synchronous)} {' '.join(map(str, ages))}\n")
+
+
+def _sylvie_run(tmp_path, epochs: int, log: Path, *, resume: Path | None = None) -> None:
+    torch.manual_seed(0)
+    model = NodeClassifier(conv="sage", num_layers=3, optimizer="adam", lr=0.01)
+    callbacks = [_RecordAges(log), ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)]
+    trainer = cpu_trainer(2, max_epochs=epochs, callbacks=callbacks, enable_checkpointing=True,
+                          strategy_kwargs={"mode": "sylvie", **PIPELINED, "staleness": 5})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, datamodule=FullGraphDataModule(directed_graph(seed=31), cache_dir=tmp_path / "parts"),
+                    ckpt_path=resume)
+
+
+def _read_ages(log: Path) -> dict[int, tuple[bool, list[int]]]:
+    rows = {}
+    for line in log.read_text().splitlines():
+        epoch, sync, *ages = line.split()
+        rows[int(epoch)] = (sync == "1", [int(a) for a in ages])
+    return rows
+
+
+@pytest.mark.timeout(180)
+def test_resuming_to_train_more_epochs_keeps_the_staleness_bound(tmp_path) -> None:
+    """``staleness=5, max_epochs=8``, then resume from ``last.ckpt`` with ``max_epochs=12``.
+    The checkpoint's last epoch (7) sent nothing, so the pipeline holds epoch 6's blocks:
+    epoch 8 must not consume them (rows two epochs old, epoch 6's gradient block added a
+    second time).  It runs synchronous instead, and the bound (<= 1 epoch) holds in every
+    epoch; epochs 9 on pipeline again.
+
+    Negative control: without the block-age check in ``SylviePolicy.on_train_epoch_start``
+    epoch 8 consumes epoch 6's rows -- the defensive check in the stale path stops the run
+    with "beyond the one-epoch staleness bound"; with that check removed too, epoch 8 records
+    age 2.  Either way this test fails.
+    """
+    first, second = tmp_path / "first.txt", tmp_path / "second.txt"
+    _sylvie_run(tmp_path, 8, first)
+    _sylvie_run(tmp_path, 12, second, resume=tmp_path / "ckpt" / "last.ckpt")
+    before, after = _read_ages(first), _read_ages(second)
+    assert sorted(before) == list(range(8)) and sorted(after) == list(range(8, 12))
+    # (layers 2 and 3 exchange per epoch; layer 1's input features travel once)
+    assert before[7] == (False, [1, 1])  # epoch 7 consumed epoch 6's blocks and sent nothing
+    assert after[8] == (True, [0, 0]), after
+    assert all(a <= 1 for _, ages in after.values() for a in ages), after
+    assert after[9] == (False, [1, 1]) and after[11] == (False, [1, 1]), after

@@ -315,3 +315,29 @@ def _check_read_only(data, root: Path, folder: Path, code: int, what: str) -> No
     assert str(root) in message
     with pytest.raises(PartitionCacheWriteError, match=str(root / "new")):
         ensure_partitions(data, 2, cache_root=root / "new")
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_given_another_graphs_part_fails_naming_the_file(tmp_path) -> None:
+    """The reported run (issue 29, item 7): part 1 of another graph's partition folder and its
+    manifest entry (size, checksum) grafted into this graph's folder, which is given to a real
+    2-rank fit.  The run fails, naming the grafted file and what to do, instead of rank 1
+    training on the other graph's features and exiting 0.
+
+    Negative control: part files without the record of their graph (the former
+    ``_write_part``) -> the fit completes, exit status 0, and this test fails."""
+    from lightning_fullgraph import FullGraphDataModule
+    from tests.helpers import NodeClassifier, cpu_trainer
+
+    ours = ensure_partitions(directed_graph(seed=0), 2, cache_root=tmp_path / "ours").folder
+    theirs = ensure_partitions(directed_graph(seed=1), 2, cache_root=tmp_path / "theirs").folder
+    shutil.copyfile(theirs / "part-00001.pt", ours / "part-00001.pt")
+    manifest = json.loads((ours / "manifest.json").read_text())
+    manifest["parts"][1] = json.loads((theirs / "manifest.json").read_text())["parts"][1]
+    (ours / "manifest.json").write_text(json.dumps(manifest))
+
+    with pytest.raises(Exception) as err:  # rank 1's error, surfaced by the fork launcher
+        cpu_trainer(2, max_epochs=2).fit(NodeClassifier(), datamodule=FullGraphDataModule(str(ours)))
+    message = str(err.value)
+    assert str(ours / "part-00001.pt") in message and "another graph" in message, message[-2000:]
+    assert f"delete {ours}" in message, message[-2000:]

@@ -164,6 +164,61 @@ def test_other_format_version_is_rebuilt(tmp_path) -> None:
     assert again.rebuilt and "format version" in again.reason
 
 
+def _graft_part(target: Path, source: Path, rank: int) -> Path:
+    """The hand edit of issue 29 (item 7): copies ``source``'s part file of ``rank`` and its
+    manifest entry (size, checksum, counts) into ``target``; returns the grafted file."""
+    name = f"part-{rank:05d}.pt"
+    (target / name).write_bytes((source / name).read_bytes())
+    manifest = json.loads((target / "manifest.json").read_text())
+    manifest["parts"][rank] = json.loads((source / "manifest.json").read_text())["parts"][rank]
+    (target / "manifest.json").write_text(json.dumps(manifest))
+    return target / name
+
+
+def test_a_part_file_of_another_graph_is_refused_naming_the_file(tmp_path) -> None:
+    """Part 1 of another graph's cache, grafted with its manifest entry (so every size and
+    checksum matches), is refused by ``load_part``, naming the file and what to do; so is part 1
+    of another partition of the same graph (another seed).  Negative control: part files
+    without the record of their graph and partition (the former ``_write_part``) -> load_part
+    returns the foreign part and this test fails ("DID NOT RAISE")."""
+    one = ensure_partitions(directed_graph(seed=0), 2, cache_root=tmp_path / "one")
+    other = ensure_partitions(directed_graph(seed=1), 2, cache_root=tmp_path / "other")
+    grafted = _graft_part(one.folder, other.folder, 1)
+    assert check_manifest(one.folder, {}, verify_checksums=True) is None, "only the content tells"
+    with pytest.raises(PartitionCacheError) as err:
+        load_part(one.folder, 1)
+    message = str(err.value)
+    assert str(grafted) in message and "another graph" in message
+    assert f"delete {one.folder}" in message and "rebuild" in message
+    assert load_part(one.folder, 0).plan.rank == 0  # rank 0's own part is intact
+
+    data = directed_graph(seed=2)
+    seed0 = ensure_partitions(data, 2, method="random", seed=0, cache_root=tmp_path / "seeds")
+    seed1 = ensure_partitions(data, 2, method="random", seed=1, cache_root=tmp_path / "seeds")
+    grafted = _graft_part(seed0.folder, seed1.folder, 1)
+    with pytest.raises(PartitionCacheError, match=rf"{grafted}.*seed"):
+        load_part(seed0.folder, 1)
+
+
+def test_a_part_file_without_its_record_is_refused(tmp_path) -> None:
+    """A part file written without the record (an older version's file grafted into a current
+    folder) is refused, not trusted.  Negative control: the former load_part never looked ->
+    this test fails ("DID NOT RAISE")."""
+    result = ensure_partitions(directed_graph(), 2, cache_root=tmp_path)
+    path = result.folder / "part-00001.pt"
+    state = torch.load(path, weights_only=True)
+    for key in ("partition", "format_version"):
+        state.pop(key, None)
+    torch.save(state, path)
+    manifest = json.loads((result.folder / "manifest.json").read_text())
+    manifest["parts"][1].update(bytes=path.stat().st_size, sha256=cache_mod._file_sha256(path))
+    (result.folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(
+        PartitionCacheError, match=rf"{path} records no graph fingerprint.*delete {result.folder}"
+    ):
+        load_part(result.folder, 1)
+
+
 def test_each_rank_loads_only_its_own_part(tmp_path, monkeypatch) -> None:
     result = ensure_partitions(directed_graph(), 3, cache_root=tmp_path)
     opened = []

@@ -515,7 +515,7 @@ def test_reddit_loader(tmp_path: Path) -> None:
 
 def test_default_cache_dir_untouched_with_explicit_cache(tmp_path: Path) -> None:
     _require("Planetoid/Cora/raw")
-    home_cache = Path(os.path.expanduser("~")) / ".cache" / "lightning_fullgraph" / "datasets" / "Planetoid"
+    home_cache = Path(os.path.expanduser("~")) / ".cache" / "lightning-fullgraph" / "datasets" / "Planetoid"
     existed = home_cache.exists()
     load_dataset("Cora", SHARED / "Planetoid", cache_dir=tmp_path)
     assert home_cache.exists() == existed

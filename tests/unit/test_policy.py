@@ -104,14 +104,29 @@ def test_sylvie_schedule_sends_only_what_is_consumed() -> None:
     schedule = []
     for epoch in range(7):
         policy.on_train_epoch_start(epoch)
+        _one_layer_exchanges(policy, epoch)
         schedule.append((policy.synchronous, policy.launch))
         policy.on_train_epoch_end(epoch, None)
     S, A = True, False
     assert schedule == [(S, False), (A, True), (A, False), (S, False), (A, True), (A, False), (S, False)]
 
 
+def _one_layer_exchanges(policy: SylviePolicy, epoch: int) -> None:
+    """What the exchanger does to the pipeline of one layer in ``epoch`` (no transfer): a
+    synchronous epoch keeps the blocks it exchanged, an asynchronous one launches its own
+    when the policy says so.  (An asynchronous epoch needs the blocks of the epoch before.)"""
+    pipe = policy.pipeline.layer(0)
+    block = torch.zeros(1, 1)
+    if policy.synchronous:
+        pipe.halo, pipe.halo_epoch, pipe.grad, pipe.grad_epoch = block, epoch, block, epoch
+    elif policy.launch:
+        pipe.fwd_pending, pipe.fwd_epoch = (lambda: block), epoch
+        pipe.grad_pending, pipe.grad_pending_epoch = (lambda: block), epoch
+
+
 def _run_epoch(policy: SylviePolicy, epoch: int, loss: float | None, seconds: float = 1.0) -> tuple[bool, bool]:
     policy.on_train_epoch_start(epoch)
+    _one_layer_exchanges(policy, epoch)
     decided = (policy.synchronous, policy.launch)
     policy.on_train_epoch_end(epoch, loss, seconds)
     return decided
@@ -249,3 +264,26 @@ def test_state_round_trips_and_pickles_without_the_process_group() -> None:
         AdaQPPolicy().load_state_dict(state)
     clone = pickle.loads(pickle.dumps(policy))
     assert clone.env is None and clone.staleness == 100
+
+
+def test_an_asynchronous_epoch_without_the_previous_epochs_blocks_runs_synchronous() -> None:
+    """The staleness bound is one epoch: epoch 8 (asynchronous by ``staleness=5``) may only
+    consume blocks sent in epoch 7.  Holding epoch 6's (a checkpoint whose last epoch sent
+    nothing) or none (a reset pipeline) makes it synchronous.
+
+    Negative control: without the ``holds_blocks_of`` check in ``on_train_epoch_start`` the
+    first and last cases are asynchronous and this test fails."""
+    block = torch.zeros(1, 1)
+
+    def start(sent: int | None) -> bool:
+        policy = SylviePolicy(staleness=5)
+        policy.setup(_env(_plan(), final_epoch=11))
+        if sent is not None:
+            pipe = policy.pipeline.layer(0)
+            pipe.halo, pipe.halo_epoch, pipe.grad, pipe.grad_epoch = block, sent, block, sent
+        policy.on_train_epoch_start(8)
+        return policy.synchronous
+
+    assert start(6) is True
+    assert start(7) is False
+    assert start(None) is True
