@@ -216,7 +216,9 @@ class HaloExchanger:
             self._layer += 1
             if layer == 0 and not self._input_checked:
                 self._input_checked = True
-                if self._looks_like_static(x):
+                # (a message that needs no gradient is a transform of constant data only;
+                # GCN's lin(x) of the same shape needs one and travels every epoch anyway)
+                if not grad and self._looks_like_static(x):
                     self.transformed_input = (layer, int(x[0].numel()) if x.dim() > 1 else 1)
             self.policy.observe_score(layer, score)
             return layer

@@ -147,9 +147,12 @@ class InputDropout(NodeClassifier):
 def test_input_dropout_warns_once_naming_the_extra_traffic(tmp_path) -> None:
     """SAGE sends its raw input rows: ``dropout(batch.x)`` is a per-epoch message 64 values
     wide instead of a one-time transfer.  One warning (over 3 epochs) names the factor; the
-    same model without input dropout does not warn.
+    same model without input dropout does not warn, nor does GCN whose first message,
+    ``lin(x)``, has the features' shape (64 hidden channels) but travels every epoch anyway.
 
-    Negative control: without ``_warn_transformed_input`` the first half fails.
+    Negative controls: without ``_warn_transformed_input`` the first half fails; without the
+    ``not grad`` condition in ``HaloExchanger._next_layer`` the GCN run warns (the CLI's
+    default model on the default graph did) and the second half fails.
     """
     out = _run(
         tmp_path,
@@ -158,6 +161,8 @@ data = directed_graph(seed=3, num_features=64)
 fit_two_ranks(data, tmp / "a", model=InputDropout(conv="sage", in_dim=64, hidden=8, num_layers=2), epochs=3)
 print("=== without input dropout")
 fit_two_ranks(data, tmp / "b", model=NodeClassifier(conv="sage", in_dim=64, hidden=8, num_layers=2), epochs=3)
+# GCN's first message is lin(x): as wide as the features here, but a per-epoch message anyway
+fit_two_ranks(data, tmp / "c", model=NodeClassifier(conv="gcn", in_dim=64, hidden=64, num_layers=2), epochs=3)
 """,
     )
     first, second = out.split("=== without input dropout")
