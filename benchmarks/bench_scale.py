@@ -74,7 +74,7 @@ import json, os, sys, time
 t0 = time.perf_counter()
 import torch
 from lightning_fullgraph.generated import products_like_graph
-from lightning_fullgraph.partition.cache import max_rss_mib  # VmHWM (ru_maxrss survives fork+exec)
+from lightning_fullgraph._os import max_rss_mib  # VmHWM (ru_maxrss survives fork+exec)
 base = max_rss_mib()
 t1 = time.perf_counter()
 d = products_like_graph(num_nodes=int(sys.argv[1]), seed=int(sys.argv[2]))

@@ -61,15 +61,13 @@ MiB = 1024.0 * 1024.0
 
 def proc_memory() -> dict[str, float]:
     """``VmRSS`` / ``VmHWM`` of this process (MiB) from ``/proc/self/status`` and ``ru_maxrss``."""
+    from lightning_fullgraph._os import status_kib
+
     out: dict[str, float] = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(("VmRSS:", "VmHWM:")):
-                    key, value = line.split(":", 1)
-                    out[key] = int(value.split()[0]) / 1024.0
-    except OSError:  # pragma: no cover - not Linux
-        pass
+    for key in ("VmRSS", "VmHWM"):
+        kib = status_kib(key)
+        if kib is not None:  # (not Linux: absent)
+            out[key] = kib / 1024.0
     # ru_maxrss is KiB on Linux
     out["ru_maxrss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     return out
@@ -250,10 +248,9 @@ def _callback_class():
                 "strategy": getattr(self, "strategy_record", None),
                 "epochs": self.epochs,
             }
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            tmp = self.out_dir / f"rank{rank}.json.tmp"
-            tmp.write_text(json.dumps(record))
-            tmp.replace(self.out_dir / f"rank{rank}.json")
+            from lightning_fullgraph._os import write_atomic
+
+            write_atomic(self.out_dir / f"rank{rank}.json", json.dumps(record))
 
     return BenchCallback
 
@@ -338,10 +335,9 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     result = run_worker(spec)
-    out = Path(spec["result_path"])
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(out)
+    from lightning_fullgraph._os import write_atomic
+
+    write_atomic(Path(spec["result_path"]), json.dumps(result, indent=1))
     return 0
 
 

@@ -175,10 +175,9 @@ def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     os.environ.setdefault("OMP_NUM_THREADS", str(spec["threads"]))
     result = run_peer(spec)
-    out = Path(spec["result_path"])
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(out)
+    from lightning_fullgraph._os import write_atomic
+
+    write_atomic(Path(spec["result_path"]), json.dumps(result, indent=1))
     return 0
 
 

@@ -9,8 +9,9 @@ registry, so that ``Trainer(strategy="fullgraph_quant")`` works.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_fullgraph.comm.exchange import CommStats, HaloExchanger
+from lightning_fullgraph.comm.exchange import HaloExchanger
 from lightning_fullgraph.comm.policy import AdaQPPolicy, CompressionPolicy, ExactPolicy, SylviePolicy
+from lightning_fullgraph.comm.transport import CommStats
 from lightning_fullgraph.datamodule import FullGraphDataModule
 from lightning_fullgraph.nn.adapters import UnsupportedConvError, register_conv_adapter, supported_convs
 from lightning_fullgraph.partition.plan import HaloPlan, LocalPartition
@@ -38,25 +39,19 @@ __all__ = [
 
 
 def _register() -> None:
-    # Lightning resolves strategy names through its registry; only our own names are added.
+    # Lightning resolves strategy names through its registry; only our own names are added:
+    # ``fullgraph_<mode>`` for every policy of the one mode table, and ``fullgraph_quant``
+    # (AdaQP unless mode= says otherwise).
+    from lightning_fullgraph.comm.policy import POLICIES
+
+    prefix = "Full-graph training over graph partitions, "
     entries = {
-        "fullgraph_quant": (
-            "Full-graph training over graph partitions, quantized halo messages (AdaQP unless mode= says otherwise)",
-            {"mode": "adaqp"},
-        ),
-        "fullgraph_exact": ("Full-graph training over graph partitions, exact fp32 halo exchange", {"mode": "exact"}),
-        "fullgraph_adaqp": (
-            "Full-graph training over graph partitions, AdaQP: adaptive stochastic 2/4/8-bit messages",
-            {"mode": "adaqp"},
-        ),
-        "fullgraph_sylvie": (
-            "Full-graph training over graph partitions, Sylvie: one-bit messages, bounded-staleness pipeline",
-            {"mode": "sylvie"},
-        ),
+        "fullgraph_quant": (prefix + "quantized halo messages (AdaQP unless mode= says otherwise)", "adaqp"),
+        **{f"fullgraph_{mode}": (prefix + cls.description, mode) for mode, cls in POLICIES.items()},
     }
-    for name, (description, params) in entries.items():
+    for name, (description, mode) in entries.items():
         if name not in StrategyRegistry:
-            StrategyRegistry.register(name, FullGraphStrategy, description=description, **params)
+            StrategyRegistry.register(name, FullGraphStrategy, description=description, mode=mode)
 
 
 _register()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-__all__ = ["ScopedWarningFilter"]
+__all__ = ["ScopedWarningFilter", "leafspec_filter"]
 
 
 class ScopedWarningFilter:
@@ -48,3 +48,9 @@ class ScopedWarningFilter:
     @property
     def installed(self) -> bool:
         return self._entry is not None
+
+
+def leafspec_filter() -> ScopedWarningFilter:
+    """Lightning 2.6 builds every loop's ``CombinedLoader`` with torch's ``LeafSpec()``, which
+    torch >= 2.13 deprecates with a ``FutureWarning`` the user cannot act on (every step)."""
+    return ScopedWarningFilter(r".*`?isinstance\(treespec, LeafSpec\)`? is deprecated", FutureWarning)

@@ -56,7 +56,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
-from lightning_fullgraph._warnings import ScopedWarningFilter
+from lightning_fullgraph._warnings import ScopedWarningFilter, leafspec_filter
 
 __all__ = [
     "DEBUG_ENV",
@@ -1102,12 +1102,12 @@ def partition_main(argv: Sequence[str] | None = None) -> int:
     if args.dataset_kwargs is not None and not isinstance(args.dataset_kwargs, dict):
         raise SystemExit(f"{PROG} partition: --dataset-kwargs must be a JSON object")
 
+    from lightning_fullgraph._os import max_rss_mib
     from lightning_fullgraph.datamodule import load_graph
     from lightning_fullgraph.partition.cache import (
         PartitionResult,
         check_manifest,
         ensure_partitions,
-        max_rss_mib,
         read_manifest,
     )
 
@@ -1332,8 +1332,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     import lightning_fullgraph  # noqa: F401  (registers the fullgraph_* strategy names)
 
-    # Lightning 2.6.6 on torch >= 2.13 warns about a torch-internal rename on every step.
-    warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
+    # Lightning 2.6.6 on torch >= 2.13 warns about a torch-internal rename on every step
+    # (outside the strategy's setup..teardown too: the CLI's own loops); for this call only.
+    leafspec = leafspec_filter()
+    leafspec.install()
+    try:
+        return _main(argv)
+    finally:
+        leafspec.remove()
+
+
+def _main(argv: list[str] | None) -> int:
+    import lightning_fullgraph
+
     args = list(sys.argv[1:] if argv is None else argv)
     prog = _invoked_as()
     if args and args[0] == "partition":

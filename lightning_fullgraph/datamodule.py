@@ -172,13 +172,6 @@ def select_mask_split(data: Data, split: int = 0, mask_keys: Iterable[str] = ())
     return out
 
 
-def _is_synthetic_name(name: str) -> bool:
-    from lightning_fullgraph.datasets import _SYNTHETIC, _key
-    from lightning_fullgraph.generated import is_generated_name
-
-    return _key(name) in _SYNTHETIC or is_generated_name(name)
-
-
 class FullGraphDataModule(pl.LightningDataModule):
     """Partitions a graph and serves each rank its part, one full-graph batch per epoch.
 
@@ -318,7 +311,9 @@ class FullGraphDataModule(pl.LightningDataModule):
                 raise RuntimeError(f"data={self.data!r} is a partition folder: the global graph is not loaded")
             kwargs = dict(self.dataset_kwargs)
             remaining = self.split
-            if isinstance(self.data, str) and not _is_synthetic_name(self.data):
+            from lightning_fullgraph.datasets import is_synthetic_name
+
+            if isinstance(self.data, str) and not is_synthetic_name(self.data):
                 # load_dataset selects the split itself (and drops the other columns).
                 kwargs["split"] = self.split
                 remaining = 0

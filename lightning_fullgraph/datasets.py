@@ -56,7 +56,7 @@ from torch import Tensor
 from torch_geometric.data import Data
 from torch_geometric.utils import coalesce, to_undirected
 
-__all__ = ["community_graph", "load_dataset", "dataset_names", "CACHE_ENV_VAR"]
+__all__ = ["community_graph", "load_dataset", "dataset_names", "is_synthetic_name", "CACHE_ENV_VAR"]
 
 #: Environment variable overriding the default writable cache folder.
 CACHE_ENV_VAR = "LIGHTNING_FULLGRAPH_DATA_CACHE"
@@ -336,6 +336,14 @@ def _key(name: str) -> str:
     return name.strip().lower().replace("-", "_")
 
 
+def is_synthetic_name(name: str) -> bool:
+    """Whether ``name`` names a graph this package generates (``"community"``, the
+    products-like family): valid by construction, nothing to download."""
+    from lightning_fullgraph.generated import is_generated_name
+
+    return _key(name) in _SYNTHETIC or is_generated_name(name)
+
+
 _BY_KEY: dict[str, _Spec] = {_key(s.display): s for s in _SPECS}
 # Unambiguous aliases.
 _BY_KEY.update({f"citationfull_{_key(s.name)}": s for s in _SPECS if s.family == "CitationFull"})
@@ -476,23 +484,11 @@ def _file_lock(cache_dir: Path, key: str) -> Iterator[None]:
     """Inter-process lock (POSIX ``flock``) so that concurrent ranks do not
     copy or process the same dataset at the same time.  A no-op when locking
     is unavailable."""
-    try:
-        import fcntl
+    from lightning_fullgraph._os import flock_exclusive
 
-        lock_dir = cache_dir / ".locks"
-        lock_dir.mkdir(parents=True, exist_ok=True)
-        digest = hashlib.sha1(key.encode()).hexdigest()[:16]
-        handle = open(lock_dir / f"{digest}.lock", "a")
-    except (ImportError, OSError):
+    digest = hashlib.sha1(key.encode()).hexdigest()[:16]
+    with flock_exclusive(cache_dir / ".locks" / f"{digest}.lock"):
         yield
-        return
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            fcntl.flock(handle, fcntl.LOCK_UN)
-        handle.close()
 
 
 # Serialises in-process OGB loads: torch's allowlist below is one process-wide set, and a

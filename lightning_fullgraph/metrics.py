@@ -44,6 +44,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from lightning_fullgraph.partition.plan import DIRECTIONS
+
 __all__ = ["CommMetricsLogger", "CommTotals"]
 
 _PROGRESS_BAR = ("comm/bytes_sent", "comm/bits")
@@ -119,7 +121,7 @@ class CommMetricsLogger(Callback):
             return
         s = exchanger.stats
         layers = sorted(s.layer_values)
-        directions = ("forward", "backward")
+        directions = DIRECTIONS
         raw = [
             s.bytes_sent["message"], s.bytes_recv["message"], s.bytes_sent["onetime"], s.bytes_sent["control"],
             s.exchanges, s.wait_time, s.quant_time,
@@ -158,13 +160,8 @@ class CommMetricsLogger(Callback):
         for i, k in enumerate(layers):
             if v[13 + n + i]:
                 figures[f"comm/bits_layer{k}"] = ratio(v[13 + i], v[13 + n + i])
-        st = exchanger.policy.pipeline
-        if st is not None:
-            # the schedule is identical on every rank: these are this rank's (= every rank's)
-            ages = [a for _, _, a in st.ages]
-            figures["comm/staleness_max"] = float(max(ages, default=0))
-            figures["comm/staleness_mean"] = sum(ages) / len(ages) if ages else 0.0
-            figures["comm/sync_epoch"] = float(exchanger.policy.synchronous)
+        # (the same on every rank: the policy's schedule is)
+        figures.update(exchanger.policy.epoch_figures())
         figures.update(getattr(strategy, "step_figures", {}))
         for name, value in figures.items():
             if math.isfinite(value):

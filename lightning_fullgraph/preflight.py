@@ -7,7 +7,7 @@ calls ``trainer.fit``, before it starts the other ranks: no rank is started, no 
 waits for a peer, and the error is raised once, as an ordinary Python exception, with the
 same type and message as where it was found before (so ``except ValueError`` still works).
 
-The launchers of :mod:`lightning_fullgraph._shutdown` call :func:`check_before_launch` first
+The launchers of :mod:`lightning_fullgraph.launch.launchers` call :func:`check_before_launch` first
 thing in ``launch``.  Lightning calls ``launch(trainer_fn, *args)`` *before* it attaches the
 model and the datamodule to the trainer, so the model and the datamodule are read from the
 arguments of ``trainer_fn`` (:func:`launch_target`).
@@ -114,11 +114,11 @@ def check_convs(module: torch.nn.Module) -> None:
             supported convs, and how to register an adapter where that is possible).
     """
     # The same check as installation (one implementation, one message); nothing is patched.
-    from lightning_fullgraph.nn.adapters import _check_installable
+    from lightning_fullgraph.nn.adapters import check_installable
 
     for conv in module.modules():
         if isinstance(conv, MessagePassing):
-            _check_installable(conv)
+            check_installable(conv)
 
 
 def check_data(

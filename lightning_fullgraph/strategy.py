@@ -23,7 +23,6 @@ with halo traffic issued from autograd.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -40,12 +39,25 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fullgraph._warnings import ScopedWarningFilter
+from lightning_fullgraph._warnings import ScopedWarningFilter, leafspec_filter
 from lightning_fullgraph.comm.exchange import HaloExchanger
-from lightning_fullgraph.comm.policy import CompressionPolicy, PolicyEnv, make_policy
+from lightning_fullgraph.comm.policy import POLICIES, CompressionPolicy, PolicyEnv, make_policy
 from lightning_fullgraph.metrics import CommMetricsLogger
 from lightning_fullgraph.nn.adapters import HaloContext, install_adapters, uninstall_adapters
 from lightning_fullgraph.preflight import missing_datamodule_error
+from lightning_fullgraph.training import (
+    LOSS_WEIGHTINGS,
+    all_reduce_gradients,
+    describe_run,
+    forget_empty_means,
+    gather_node_outputs,
+    gradient_snapshot,
+    graph_figures,
+    loss_scale,
+    mean_over_ranks_with_nodes,
+    stage_nodes,
+    warn_non_exact_layers,
+)
 from lightning_fullgraph.validation import all_finite
 
 if TYPE_CHECKING:
@@ -56,7 +68,8 @@ __all__ = ["FullGraphStrategy", "MODES"]
 log = logging.getLogger(__name__)
 
 
-MODES = ("exact", "adaqp", "sylvie")
+#: The modes: one per policy of :data:`~lightning_fullgraph.comm.policy.POLICIES` (the one table).
+MODES: tuple[str, ...] = tuple(POLICIES)
 #: Key of the policies' state in a Lightning checkpoint.
 CHECKPOINT_KEY = "fullgraph_policy"
 #: Lightning's default ``log_every_n_steps`` (lowered to 1: one step per epoch here).
@@ -65,7 +78,6 @@ _LIGHTNING_DEFAULT_LOG_EVERY = 50
 # What identifies the rows a rank holds; format_version too: the on-disk layout decides the
 # order of a rank's owned and halo rows, which Sylvie's stale buffers are laid out in.
 PARTITION_KEYS = ("fingerprint", "method", "balance", "num_parts", "seed", "format_version")
-LOSS_WEIGHTINGS = ("train_mask", "mean", "sum")
 
 
 class FullGraphStrategy(DDPStrategy):
@@ -137,7 +149,7 @@ class FullGraphStrategy(DDPStrategy):
         timeout: Process-group timeout; a rank that dies makes the others fail after it.
         start_method: ``"popen"`` (default, scripts and CLI), ``"fork"``, ``"spawn"``, ...
             With several ranks, SIGTERM/SIGINT stop every rank within seconds (status
-            ``128 + signum``) and no rank outlives its launcher (:mod:`lightning_fullgraph._shutdown`).
+            ``128 + signum``) and no rank outlives its launcher (:mod:`lightning_fullgraph.launch`).
         process_group_backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA); inferred by default.
         **kwargs: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (accelerator,
             parallel_devices, cluster_environment, checkpoint_io, precision_plugin).
@@ -199,8 +211,6 @@ class FullGraphStrategy(DDPStrategy):
             mode = "exact" if mode is None else mode
             if mode not in MODES:
                 raise ValueError(f"FullGraphStrategy(mode={mode!r}) is not a mode; choose one of {MODES}")
-            if mode == "exact" and bits is not None:
-                raise ValueError("mode='exact' sends fp32; drop `bits` or use mode='adaqp'")
             policy = make_policy(mode, **settings)
         if loss_weighting not in LOSS_WEIGHTINGS:
             raise ValueError(f"loss_weighting={loss_weighting!r}; choose one of {LOSS_WEIGHTINGS}")
@@ -214,7 +224,7 @@ class FullGraphStrategy(DDPStrategy):
             timeout=timeout, start_method=start_method, process_group_backend=process_group_backend, **kwargs
         )
         self.policy: CompressionPolicy = policy
-        self.overlap = (policy.name == "adaqp") if overlap is None else bool(overlap)
+        self.overlap = policy.overlap_by_default if overlap is None else bool(overlap)
         self.compute_only = compute_only
         self.check_finite = check_finite
         self.sparse_aggregation = bool(sparse_aggregation)
@@ -254,12 +264,7 @@ class FullGraphStrategy(DDPStrategy):
         # Lightning's advice to pass sync_dist=True (one all-reduce per metric) does not apply
         # to them. Lightning warns at epoch end, so the filter spans setup..teardown.
         self._comm_warning = ScopedWarningFilter(r".*self\.log\('comm/.*sync_dist=True")
-        # Lightning 2.6 builds every loop's CombinedLoader with torch's ``LeafSpec()``, which
-        # torch >= 2.13 deprecates with a FutureWarning the user cannot act on (loops'
-        # setup_data, inside setup..teardown).
-        self._leafspec_warning = ScopedWarningFilter(
-            r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning
-        )
+        self._leafspec_warning = leafspec_filter()
 
     @property
     def mode(self) -> str:
@@ -317,8 +322,8 @@ class FullGraphStrategy(DDPStrategy):
             value = partition.data[key]
             if isinstance(value, Tensor) and value.dim() > 0 and value.size(0) == plan.num_owned:
                 self._exchanger.register_static(value)
-        self.halo_share = self._graph_figures(partition)
-        self._count_stage_nodes(partition)
+        self.halo_share, self._rank_figures = graph_figures(partition, self.world_size, self.root_device)
+        self._stage_nodes, self._empty_stages = stage_nodes(partition, self.world_size, self.root_device)
         fitting = trainer.state.fn == TrainerFn.FITTING
         max_epochs = trainer.max_epochs if fitting else None
         self.policy.setup(
@@ -342,9 +347,9 @@ class FullGraphStrategy(DDPStrategy):
         if self._adapters is not None:
             uninstall_adapters(self._adapters)
         self._adapters = install_adapters(self.lightning_module, self._ctx)
-        _warn_non_exact_layers(self.lightning_module)
+        warn_non_exact_layers(self.lightning_module)
         if fitting:
-            self._loss_scale = self._compute_loss_scale(partition)
+            self._loss_scale = loss_scale(partition, self.loss_weighting, self.mask_key, self.world_size, self.root_device)
             if trainer.accumulate_grad_batches > 1:
                 rank_zero_warn(
                     f"accumulate_grad_batches={trainer.accumulate_grad_batches}: every epoch is one batch (the "
@@ -374,87 +379,10 @@ class FullGraphStrategy(DDPStrategy):
             trainer.callbacks.append(self._comm_callback)
         super().setup(trainer)
 
-    def _compute_loss_scale(self, partition: LocalPartition) -> float:
-        if self.loss_weighting == "sum":
-            return 1.0
-        if self.loss_weighting == "mean":
-            return 1.0 / self.world_size
-        data = partition.data
-        if self.mask_key not in data:
-            raise KeyError(
-                f"loss_weighting='train_mask' needs a node mask `{self.mask_key}` in the batch; set "
-                f"FullGraphStrategy(mask_key=...) or loss_weighting='mean'"
-            )
-        mask = data[self.mask_key]
-        if not isinstance(mask, Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != (partition.plan.num_owned,):
-            if not isinstance(mask, Tensor) or mask.dim() != 2:
-                raise ValueError(
-                    f"`{self.mask_key}` must be a bool tensor with one entry per owned node "
-                    f"({partition.plan.num_owned}), got {getattr(mask, 'dtype', type(mask))} of shape "
-                    f"{list(getattr(mask, 'shape', []))}; a partition folder written by hand may hold another mask"
-                )
-            # Summing an [N, S] mask counts every split: the rank weights would be silently wrong.
-            raise ValueError(
-                f"`{self.mask_key}` has shape {list(mask.shape)}: one column per split. Choose the split "
-                "with FullGraphDataModule(split=k) (default 0), which selects it before partitioning"
-            )
-        local = torch.tensor([float(mask.sum())], device=self.root_device)
-        total = self.reduce(local.clone(), reduce_op="sum") if self.world_size > 1 else local
-        if float(total) == 0:
-            raise ValueError(f"no node anywhere is set in `{self.mask_key}`: there is nothing to train on")
-        return float(local) / float(total)
-
-    _STAGE_MASKS = ("train_mask", "val_mask", "test_mask")
-
-    def _count_stage_nodes(self, partition: LocalPartition) -> None:
-        """This rank's node count in each stage mask, and which stages have a rank without
-        any (one all-reduce; the same answer on every rank)."""
-        counts = {}
-        for key in self._STAGE_MASKS:
-            mask = getattr(partition.data, key, None)
-            if isinstance(mask, Tensor) and mask.dtype == torch.bool:
-                counts[key] = int(mask.sum())
-        self._stage_nodes = counts
-        empty = torch.tensor([float(counts.get(k, 1) == 0) for k in self._STAGE_MASKS], dtype=torch.float64)
-        if self.world_size > 1:
-            empty = empty.to(self.root_device)
-            dist.all_reduce(empty, op=dist.ReduceOp.MAX)
-        self._empty_stages = frozenset(k for k, e in zip(self._STAGE_MASKS, empty.tolist()) if e)
-
-    def _graph_figures(self, partition: LocalPartition) -> float:
-        """Returns the share of halo rows among the aggregation inputs of the whole graph:
-        edges whose source is a halo row, over all edges plus one self term per node (GCN's
-        self-loop, SAGE's root term); keeps every rank's owned and halo rows and edges for the
-        fit-start line.  One all-gather: every rank gets the same figures."""
-        edge_index, plan = partition.data.edge_index, partition.plan
-        halo_edges = float((edge_index[0] >= plan.num_owned).sum()) if edge_index.numel() else 0.0
-        mine = torch.tensor(
-            [float(plan.num_owned), float(plan.num_halo), halo_edges, float(edge_index.size(1))], dtype=torch.float64
-        )
-        if self.world_size > 1:
-            mine = mine.to(self.root_device)
-            rows = [torch.empty_like(mine) for _ in range(self.world_size)]
-            dist.all_gather(rows, mine)
-            table = torch.stack(rows).cpu()
-        else:
-            table = mine.reshape(1, -1)
-        self._rank_figures = table
-        inputs = float(table[:, 3].sum() + table[:, 0].sum())
-        return float(table[:, 2].sum()) / inputs if inputs > 0 else 0.0
-
     def describe_run(self) -> str:
         """The fit-start line: mode and settings, graph, parts, halo rows per rank and their
-        share of the aggregation inputs."""
-        table = self._rank_figures
-        settings = ", ".join(f"{k}={v}" for k, v in self.policy.settings().items() if v is not None)
-        nodes, edges = int(table[:, 0].sum()), int(table[:, 3].sum())
-        halo = [int(h) for h in table[:, 1].tolist()]
-        shown = ", ".join(map(str, halo[:8])) + (", ..." if len(halo) > 8 else "")
-        return (
-            f"FullGraphStrategy: mode {self.policy.name}{f' ({settings})' if settings else ''}; graph "
-            f"{nodes:,} nodes, {edges:,} edges in {self.world_size} part(s); halo rows per rank [{shown}] "
-            f"({sum(halo) / max(nodes, 1):.1%} of the nodes), {self.halo_share:.1%} of the aggregation inputs"
-        )
+        share of the aggregation inputs (:func:`~lightning_fullgraph.training.describe_run`)."""
+        return describe_run(self.policy, self._rank_figures, self.halo_share)
 
     #: Below this share of the aggregation inputs, compressing halo messages cannot matter.
     SMALL_HALO_SHARE = 0.02
@@ -532,23 +460,8 @@ class FullGraphStrategy(DDPStrategy):
         self._logging_stage = mask_key
 
     def _forget_empty_means(self) -> None:
-        """A rank with no node in the stage's mask logs a mean over no node (NaN for a loss)
-        with weight 0, and ``NaN * 0`` is NaN: the epoch's weighted mean over ranks would be
-        NaN on every rank.  Such an accumulated value carries no information; make it 0."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        results = getattr(trainer, "_results", None) if trainer is not None else None
-        if results is None:
-            return
-        for metric in results.values():
-            value = getattr(metric, "value", None)
-            if (
-                getattr(metric, "is_tensor", False)
-                and metric.meta.is_mean_reduction
-                and isinstance(value, Tensor)
-                and float(metric.cumulated_batch_size) == 0
-                and not bool(torch.isfinite(value).all())
-            ):
-                metric.value = torch.zeros_like(value)
+        forget_empty_means(getattr(trainer, "_results", None) if trainer is not None else None)
 
     @override
     def reduce(
@@ -575,13 +488,7 @@ class FullGraphStrategy(DDPStrategy):
         ):
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
         has = not excluding or self._stage_nodes.get(stage, 1) > 0  # type: ignore[arg-type]
-        value = tensor.detach().to(torch.float64).reshape(-1)
-        packed = torch.cat([value if has else torch.zeros_like(value), value.new_tensor([float(has)])])
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-        count = float(packed[-1])
-        out = packed[:-1] / count if count else torch.full_like(packed[:-1], math.nan)
-        dtype = tensor.dtype if tensor.is_floating_point() else torch.get_default_dtype()
-        return out.reshape(tensor.shape).to(dtype)
+        return mean_over_ranks_with_nodes(tensor, has, group)
 
     @override
     def backward(
@@ -663,59 +570,14 @@ class FullGraphStrategy(DDPStrategy):
         )
 
     def _gradient_snapshot(self) -> dict[Tensor, Tensor | None]:
-        """Every trainable parameter's gradient before a backward call (copies; ``None`` where
-        there is none): what that call adds is ``p.grad - before``."""
         assert self.lightning_module is not None
-        return {
-            p: (p.grad.detach().clone() if p.grad is not None else None)
-            for p in self.lightning_module.parameters()
-            if p.requires_grad
-        }
+        return gradient_snapshot(self.lightning_module)
 
     def _all_reduce_gradients(self, before: dict[Tensor, Tensor | None] | None = None) -> None:
-        """Sums over ranks what the backward call that just ran added to every gradient.
-
-        Only that call's contribution crosses the wire, and it is added to the gradient held
-        before the call: a gradient accumulated over several backward calls (manual
-        optimization, a regulariser's own backward, stepping every k-th epoch) is summed once,
-        never again, and ``p.grad`` is the single-process gradient whenever user code sees it
-        (clipping, inspection, ``optimizer.step``), as under DDP.
-
-        Args:
-            before: :meth:`_gradient_snapshot` taken before the call (``None``: no gradient
-                existed, the whole of ``p.grad`` is the call's).
-        """
+        """Sums over ranks what the backward call that just ran added to every gradient
+        (:func:`~lightning_fullgraph.training.all_reduce_gradients`)."""
         assert self.lightning_module is not None
-        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
-        if not params:
-            return
-        before = before or {}
-        # A parameter may have a gradient on some ranks only (e.g. a branch unused here):
-        # agree first, so that all ranks all-reduce the same buffers.
-        has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=self.root_device)
-        dist.all_reduce(has, op=dist.ReduceOp.MAX)
-        live = [p for p, h in zip(params, has.tolist()) if h]
-        for p in live:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for p in live:
-            by_dtype.setdefault(p.grad.dtype, []).append(p)
-        for group in by_dtype.values():
-            olds = [before.get(p) for p in group]
-            added = [p.grad if old is None else p.grad - old for p, old in zip(group, olds)]
-            flat = torch.cat([a.reshape(-1) for a in added])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            if self.check_finite and not all_finite(flat):
-                raise FloatingPointError(
-                    f"rank {self.global_rank}: the summed weight gradient holds NaN/inf although every "
-                    "layer output and loss was finite on this rank; another rank's log names the cause"
-                )
-            offset = 0
-            for p, old in zip(group, olds):
-                total = flat[offset : offset + p.numel()].view_as(p.grad)
-                p.grad.copy_(total if old is None else old + total)
-                offset += p.numel()
+        all_reduce_gradients(self.lightning_module, before, self.root_device, self.check_finite, self.global_rank)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -723,50 +585,14 @@ class FullGraphStrategy(DDPStrategy):
         return self.gather_node_outputs(out)
 
     def gather_node_outputs(self, out: Any) -> Any:
-        """Assembles per-rank node outputs into the global node order.
-
-        Every tensor in ``out`` (nested tuples/lists/dicts too) whose first dimension equals
-        the rank's owned node count is gathered from all ranks and returned with one row per
-        global node, row ``v`` for global node ``v``.  Other values pass through.
-        """
-        from lightning_utilities.core.apply_func import apply_to_collection
-
+        """Assembles per-rank node outputs into the global node order
+        (:func:`~lightning_fullgraph.training.gather_node_outputs`)."""
         assert self._partition is not None
-        n_id = self._partition.data.n_id.to(self.root_device)
-        n_owned = n_id.numel()
-        num_global = self._partition.num_global_nodes
-
-        def gather(t: Tensor) -> Tensor:
-            if t.dim() == 0 or t.size(0) != n_owned:
-                return t
-            if self.world_size == 1:
-                result = t.new_empty((num_global,) + tuple(t.shape[1:]))
-                result[n_id] = t
-                return result
-            counts = [
-                torch.zeros(1, dtype=torch.long, device=self.root_device) for _ in range(self.world_size)
-            ]
-            dist.all_gather(counts, torch.tensor([n_owned], device=self.root_device))
-            sizes = [int(c) for c in counts]
-            width = max(sizes)
-            padded = t.new_zeros((width,) + tuple(t.shape[1:]))
-            padded[:n_owned] = t
-            ids = n_id.new_full((width,), -1)
-            ids[:n_owned] = n_id
-            rows = [torch.empty_like(padded) for _ in sizes]
-            all_ids = [torch.empty_like(ids) for _ in sizes]
-            dist.all_gather(rows, padded.contiguous())
-            dist.all_gather(all_ids, ids)
-            result = t.new_empty((num_global,) + tuple(t.shape[1:]))
-            for size, r, i in zip(sizes, rows, all_ids):
-                result[i[:size]] = r[:size]
-            return result
-
-        return apply_to_collection(out, Tensor, gather)
+        return gather_node_outputs(out, self._partition, self.world_size, self.root_device)
 
     @override
     def teardown(self) -> None:
-        from lightning_fullgraph._shutdown import active_guard
+        from lightning_fullgraph.launch.guard import active_guard
 
         guard = active_guard()
         signalled = guard is not None and guard.signum is not None
@@ -797,7 +623,8 @@ class FullGraphStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        from lightning_fullgraph._shutdown import active_guard, claim_report, is_lost_peer
+        from lightning_fullgraph.launch.guard import active_guard
+        from lightning_fullgraph.launch.report import claim_report, is_lost_peer
 
         self._failed = True
         super().on_exception(exception)
@@ -821,12 +648,12 @@ class FullGraphStrategy(DDPStrategy):
                 "does not depend on the model output on some rank skips its backward exchanges.",
             ) + tuple(exception.args[1:])
 
-    # -- shutdown (lightning_fullgraph._shutdown) -----------------------------------------
+    # -- launch and shutdown (lightning_fullgraph.launch) ----------------------------------
     @override
     def _configure_launcher(self) -> None:
         # Lightning's launchers, plus: SIGTERM/SIGINT stop every rank within seconds with
         # status 128 + signum, and no rank outlives the launcher or a failed run.
-        from lightning_fullgraph._shutdown import (
+        from lightning_fullgraph.launch.launchers import (
             FullGraphMultiprocessingLauncher,
             FullGraphSubprocessLauncher,
         )
@@ -848,7 +675,7 @@ class FullGraphStrategy(DDPStrategy):
         """A loop starts: halo exchanges follow.  Lightning installed its SIGTERM handler (it
         broadcasts, which deadlocks against a halo transfer) after the launcher installed the
         shutdown guard's: put the guard's back."""
-        from lightning_fullgraph._shutdown import active_guard
+        from lightning_fullgraph.launch.guard import active_guard
 
         self._exchange_started = True
         guard = active_guard()
@@ -953,25 +780,3 @@ class FullGraphStrategy(DDPStrategy):
         # its own classes).
         return None
 
-
-_NON_EXACT_NORMS = ("BatchNorm", "GraphNorm", "InstanceNorm", "PairNorm", "DiffGroupNorm", "GraphSizeNorm")
-
-
-def _warn_non_exact_layers(module: torch.nn.Module) -> None:
-    """Warns about layers whose statistics span nodes of several ranks (not exact here)."""
-    from torch_geometric.nn.norm import LayerNorm as PygLayerNorm
-
-    names = set()
-    for m in module.modules():
-        name = type(m).__name__
-        if any(name.startswith(n) or name == n for n in _NON_EXACT_NORMS):
-            names.add(name)
-        if isinstance(m, PygLayerNorm) and getattr(m, "mode", "graph") == "graph":
-            names.add("torch_geometric.nn.LayerNorm(mode='graph')")
-    if names:
-        rank_zero_warn(
-            f"{sorted(names)} normalise over the nodes of a batch; under FullGraphStrategy each rank "
-            "only sees its own partition, so their statistics differ from a single-process run. "
-            "Use per-node normalisation (torch.nn.LayerNorm, or PyG LayerNorm(mode='node')) for "
-            "exact results."
-        )

@@ -74,7 +74,8 @@ from lightning_fullgraph.comm.assign import (
     group_nodes,
     range_coefficients,
 )
-from lightning_fullgraph.comm.quantize import META_NBYTES
+from lightning_fullgraph.comm.quantize import ADAPTIVE_BITS, META_NBYTES
+from lightning_fullgraph.partition.plan import DIRECTIONS
 
 __all__ = [
     "ControlFn",
@@ -84,7 +85,6 @@ __all__ = [
     "sender_weights",
 ]
 
-DIRECTIONS = ("forward", "backward")
 
 #: ``control(rows [sum(send_counts), k], send_counts, recv_counts) -> rows [sum(recv_counts), k]``:
 #: a synchronous, uncompressed all-to-all of rows over the same ranks (collective: every rank
@@ -369,7 +369,7 @@ def assign_message_bits(
     control: ControlFn,
     lambda_: float = 0.5,
     group_size: int = 100,
-    bit_choices: tuple[int, ...] = (2, 4, 8),
+    bit_choices: tuple[int, ...] = ADAPTIVE_BITS,
 ) -> tuple[dict[Key, tuple[Tensor, Tensor]], dict[str, float]]:
     """Assigns the bit-width of every row of every message direction of every layer.
 

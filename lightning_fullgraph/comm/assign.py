@@ -99,7 +99,7 @@ import torch
 from scipy.optimize import Bounds, LinearConstraint, milp, nnls
 from torch import Tensor
 
-from lightning_fullgraph.comm.quantize import META_NBYTES
+from lightning_fullgraph.comm.quantize import ADAPTIVE_BITS, META_NBYTES
 
 __all__ = [
     "AssignmentProblem",
@@ -605,7 +605,7 @@ def _improve(
 def assign_bits(
     problem: AssignmentProblem,
     lambda_: float = 0.5,
-    bit_choices: Sequence[int] = (2, 4, 8),
+    bit_choices: Sequence[int] = ADAPTIVE_BITS,
     time_limit: float | None = 10.0,
     mip_rel_gap: float = 1e-3,
     improve: bool = True,

@@ -41,7 +41,7 @@ from lightning_fullgraph.comm.staleness import block_rows
 from lightning_fullgraph.comm.transport import CommStats, HaloTransport
 from lightning_fullgraph.partition.plan import HaloPlan
 
-__all__ = ["CommStats", "HaloExchanger"]
+__all__ = ["HaloExchanger"]
 
 
 class HaloExchanger:
@@ -110,10 +110,7 @@ class HaloExchanger:
         """Starts one message: ``rows`` are the sent rows (forward: ``[S, F]`` in send order;
         backward: ``[H, F]`` gradients in halo order).  Returns the closure that waits."""
         plan = self.plan
-        if direction == "forward":
-            counts = (plan.send_counts, plan.recv_counts)
-        else:
-            counts = (plan.recv_counts, plan.send_counts)
+        counts = plan.counts(direction)
         bits = None
         on_range = None
         if self.training and layer is not None:

@@ -46,10 +46,10 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from lightning_fullgraph.comm.quantize import SUPPORTED_BITS
+from lightning_fullgraph.comm.quantize import ADAPTIVE_BITS, SUPPORTED_BITS
 from lightning_fullgraph.comm.staleness import StalenessState
 from lightning_fullgraph.comm.sylvie_rules import DivergenceGuard, LossRateAdaptor
-from lightning_fullgraph.partition.plan import HaloPlan
+from lightning_fullgraph.partition.plan import DIRECTIONS, HaloPlan
 
 __all__ = [
     "ADAPTIVE_BIT_CHOICES",
@@ -65,10 +65,8 @@ __all__ = [
 
 #: Fixed bit-widths a quantized message can use; 32 sends fp32 (through Sylvie's pipeline).
 FIXED_BITS: tuple[int, ...] = SUPPORTED_BITS
-#: Bit-widths AdaQP's assignment chooses from (the paper's {2, 4, 8}).
-ADAPTIVE_BIT_CHOICES: tuple[int, ...] = (2, 4, 8)
-#: Message directions: forward rows (owner -> borrower), backward gradients (borrower -> owner).
-DIRECTIONS: tuple[str, ...] = ("forward", "backward")
+#: Bit-widths AdaQP's assignment chooses from (defined with the assignment).
+ADAPTIVE_BIT_CHOICES: tuple[int, ...] = ADAPTIVE_BITS
 
 ControlFn = Callable[[Tensor, list[int], list[int]], Tensor]
 
@@ -98,6 +96,10 @@ class CompressionPolicy:
     """
 
     name: ClassVar[str] = "exact"
+    #: One line for Lightning's strategy registry (``fullgraph_<name>``).
+    description: ClassVar[str] = "exact fp32 halo exchange"
+    #: Whether central/marginal overlap is on unless ``FullGraphStrategy(overlap=...)`` says.
+    overlap_by_default: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.env: PolicyEnv | None = None
@@ -144,6 +146,10 @@ class CompressionPolicy:
     ) -> dict[str, float]:
         """``global_loss``: the global training loss of ``epoch`` when ``needs_global_loss``;
         ``seconds``: the epoch's forward + backward time, the mean over ranks (same on all)."""
+        return {}
+
+    def epoch_figures(self) -> dict[str, float]:
+        """Figures of the epoch that just ran, the same on every rank (logged as they are)."""
         return {}
 
     def summary(self, epochs_run: int) -> str | None:
@@ -278,7 +284,7 @@ class _QuantizedPolicy(CompressionPolicy):
             return None
         assert self.env is not None
         plan = self.env.plan
-        sent, received = (plan.num_send, plan.num_halo) if direction == "forward" else (plan.num_halo, plan.num_send)
+        sent, received = plan.rows(direction)
         return self._full(self.uniform_bits, sent), self._full(self.uniform_bits, received)
 
     def observe(self, layer: int, direction: str, row_range: Tensor, feature_dim: int) -> None:
@@ -320,11 +326,10 @@ class _QuantizedPolicy(CompressionPolicy):
                         score.to(env.device, torch.float32), plan.send_counts, plan.recv_counts, env.control
                     )
                 weight = self._sender_weights[layer]
-                counts = (plan.send_counts, plan.recv_counts)
             else:
                 # a gradient row is added into its owner's gradient as it is: coefficient 1
                 weight = torch.ones_like(rng, dtype=torch.float32)
-                counts = (plan.recv_counts, plan.send_counts)
+            counts = plan.counts(direction)
             stats[key] = MessageStats(
                 row_range=rng.float(), weight=weight, feature_dim=self.feature_dims[key],
                 send_counts=list(counts[0]), recv_counts=list(counts[1]),
@@ -399,6 +404,8 @@ class AdaQPPolicy(_QuantizedPolicy):
     """
 
     name = "adaqp"
+    description = "AdaQP: adaptive stochastic 2/4/8-bit messages"
+    overlap_by_default = True
 
     def __init__(
         self,
@@ -463,6 +470,7 @@ class SylviePolicy(_QuantizedPolicy):
     """
 
     name = "sylvie"
+    description = "Sylvie: one-bit messages, bounded-staleness pipeline"
 
     def __init__(
         self,
@@ -596,6 +604,16 @@ class SylviePolicy(_QuantizedPolicy):
             figures["comm/guard_reactions"] = float(len(self.guard.reactions))
         return figures
 
+    def epoch_figures(self) -> dict[str, float]:
+        """``comm/staleness_max``, ``comm/staleness_mean`` (age in epochs of the halo blocks
+        the epoch consumed) and ``comm/sync_epoch`` (1 if it exchanged fresh values)."""
+        ages = [age for _, _, age in self._state.ages]
+        return {
+            "comm/staleness_max": float(max(ages, default=0)),
+            "comm/staleness_mean": sum(ages) / len(ages) if ages else 0.0,
+            "comm/sync_epoch": float(self.synchronous),
+        }
+
     def summary(self, epochs_run: int) -> str | None:
         """One line on what the controllers did over ``epochs_run`` epochs, or ``None`` when
         the pipeline ran as configured."""
@@ -671,6 +689,8 @@ def make_policy(mode: str, **settings: Any) -> CompressionPolicy:
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
     given = {k: v for k, v in settings.items() if v is not None}
     extra = sorted(set(given) - accepted)
+    if extra == ["bits"] and mode == "exact":
+        raise ValueError("mode='exact' sends fp32; drop `bits` or use mode='adaqp'")
     if extra:
         raise ValueError(f"mode={mode!r} does not take {extra}; it takes {sorted(accepted) or 'no settings'}")
     return cls(**given)

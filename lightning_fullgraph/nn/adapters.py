@@ -1054,7 +1054,7 @@ def install_adapters(module: nn.Module, ctx: HaloContext) -> AdapterHandle:
     names = {id(m): n for n, m in module.named_modules()}
     convs = [m for m in module.modules() if isinstance(m, MessagePassing)]
     for conv in convs:
-        _check_installable(conv)
+        check_installable(conv)
     patches: list[tuple[MessagePassing, _Patch]] = []
     for conv in convs:
         _unpatch(conv)
@@ -1074,7 +1074,7 @@ def install_adapters(module: nn.Module, ctx: HaloContext) -> AdapterHandle:
     return AdapterHandle(patches)
 
 
-def _check_installable(conv: MessagePassing) -> None:
+def check_installable(conv: MessagePassing) -> None:
     """Raises :class:`UnsupportedConvError` for a conv without an adapter, or registered with
     a kind its instance cannot run (multi-hop, or a ``forward`` without what ``"bipartite"``
     passes); the hint to register it is given only where registration would be accepted."""

@@ -57,7 +57,6 @@ import re
 import secrets
 import shutil
 import socket
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -70,12 +69,8 @@ import torch
 from torch import Tensor
 from torch_geometric.data import Data
 
+from lightning_fullgraph._os import max_rss_mib, pid_alive, pid_namespace, proc_start, try_flock
 from lightning_fullgraph.partition.plan import LocalPartition, PartitionPlanner
-
-try:  # POSIX only; elsewhere there is no advisory lock (correctness does not need it)
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
 
 __all__ = [
     "FORMAT_VERSION",
@@ -180,25 +175,6 @@ class PartitionResult:
     timings: dict[str, float] = field(default_factory=dict)
     peak_rss_mib: dict[str, float] = field(default_factory=dict)
     forked_peak_mib: float = 0.0
-
-
-def max_rss_mib() -> float:
-    """This process's resident-set high-water mark in MiB: ``VmHWM`` of ``/proc/self/status``
-    where it exists, else ``ru_maxrss`` (0 where neither is known).
-
-    (Linux carries ``ru_maxrss`` across ``fork`` + ``exec``: a process started by a large
-    parent reports the parent's peak until it exceeds it; ``VmHWM`` starts afresh.)"""
-    from lightning_fullgraph.partition.forked import status_kib
-
-    hwm = status_kib("VmHWM")
-    if hwm is not None:
-        return hwm / 1024.0
-    try:
-        import resource
-    except ImportError:  # pragma: no cover - Windows
-        return 0.0
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 2**20 if sys.platform == "darwin" else rss / 1024.0
 
 
 def user_cache_dir() -> Path:
@@ -592,46 +568,21 @@ def _remove(path: Path) -> None:
 
 
 # -- writer identity, stale temporary folders -----------------------------------------------------
-def _proc_start(pid: int) -> str | None:
-    """Start time (clock ticks since boot) of ``pid``, None without ``/proc``, "" if gone or a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return "" if Path("/proc/self/stat").exists() else None
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2:].split()
-    return "" if fields[0] in ("Z", "X") else fields[19]
-
-
-def _pid_namespace() -> int | None:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return None
-
-
 def _owner() -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "start": _proc_start(os.getpid()),
-            "pidns": _pid_namespace(), "time": time.time()}
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": proc_start(os.getpid()),
+            "pidns": pid_namespace(), "time": time.time()}
 
 
 def _owner_is_dead(owner: dict[str, Any]) -> bool:
     """True only if the recorded writer certainly no longer runs (same host and pid namespace)."""
-    if owner.get("host") != socket.gethostname() or owner.get("pidns") != _pid_namespace():
+    if owner.get("host") != socket.gethostname() or owner.get("pidns") != pid_namespace():
         return False
     pid = owner.get("pid")
     if not isinstance(pid, int):
         return False
-    start = _proc_start(pid)
+    start = proc_start(pid)
     if start is None:  # no /proc
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except OSError:
-            return False
-        return False
+        return not pid_alive(pid)
     return start == "" or (owner.get("start") not in (None, "") and start != owner.get("start"))
 
 
@@ -699,21 +650,6 @@ def _lock_timeout(timeout: float | None) -> float:
     return DEFAULT_LOCK_TIMEOUT
 
 
-def _flock(fd: int) -> bool | None:
-    """Tries to take the lock: True taken, False held by another process, None unsupported."""
-    if fcntl is None:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError as err:
-        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            return False
-        if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF):
-            return None
-        raise
-
-
 @contextlib.contextmanager
 def _advisory_lock(folder: Path, timeout: float) -> Iterator[bool]:
     """Holds ``<cache_root>/.<folder>.lock`` (``flock``) while building ``folder``; yields
@@ -729,7 +665,7 @@ def _advisory_lock(folder: Path, timeout: float) -> Iterator[bool]:
         delay = 0.02
         announced = False
         while True:
-            state = _flock(fd)
+            state = try_flock(fd)
             if state is not False:
                 break
             waited = time.monotonic() - start

@@ -33,7 +33,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["ForkedCall", "can_fork", "status_kib"]
+from lightning_fullgraph._os import status_kib
+
+__all__ = ["ForkedCall", "can_fork"]
 
 # Header words of the shared buffer: status (0 running, 1 done, 2 failed), the child's private
 # peak in bytes, the result's length.
@@ -48,19 +50,6 @@ def can_fork() -> bool:
     and ``/proc`` reports a child's memory (macOS offers ``fork`` but makes ``spawn`` the
     default because forking a process with threads is unsafe there)."""
     return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
-
-
-def status_kib(field: str) -> int | None:
-    """A ``kB`` field of ``/proc/self/status`` (``"VmRSS"``, ``"VmHWM"``); ``None`` where it
-    cannot be read."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def _child(fn: Callable[..., Tensor], args: tuple[Any, ...], buf: mmap.mmap, length: int) -> None:

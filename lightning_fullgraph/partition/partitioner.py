@@ -74,6 +74,7 @@ __all__ = [
     "imbalance",
     "partition_graph",
     "partition_stats",
+    "symmetric_simple_csr",
 ]
 
 PARTITION_METHODS: tuple[str, ...] = ("metis", "random")
@@ -187,7 +188,7 @@ def _symmetric_simple_edges(edge_index: Tensor, num_nodes: int) -> tuple[Tensor,
 
     Returns ``(row, col)`` sorted by ``row`` then ``col`` (i.e. in CSR order).
     """
-    degree, adjncy = _symmetric_simple_csr(edge_index, num_nodes)
+    degree, adjncy = symmetric_simple_csr(edge_index, num_nodes)
     row = torch.repeat_interleave(torch.arange(num_nodes), torch.from_numpy(degree))
     return row, torch.from_numpy(adjncy)
 
@@ -207,7 +208,7 @@ def _keep_sample(
     return x < threshold
 
 
-def _symmetric_simple_csr(
+def symmetric_simple_csr(
     edge_index: Tensor | tuple[Tensor, Tensor], num_nodes: int, max_edges: int | None = None, seed: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
     """The symmetrised simple graph (no self-loops, no duplicates) in CSR form.
@@ -406,7 +407,7 @@ def _metis_partition(
             "method='metis' requires pymetis; install it with `pip install pymetis` or use method='random'."
         ) from err
 
-    degree_np, adjncy = _symmetric_simple_csr(edge_index, num_nodes, max_edges, seed)
+    degree_np, adjncy = symmetric_simple_csr(edge_index, num_nodes, max_edges, seed)
     degree = torch.from_numpy(degree_np)
     active = degree > 0
     num_active = int(active.sum())

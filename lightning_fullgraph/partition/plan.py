@@ -92,6 +92,11 @@ ORDER_MIN_ROWS = 16_384
 ORDER_FORK_MIN_EDGES = 1 << 21
 
 
+#: Message directions: forward rows (owner -> borrower), backward gradients (borrower ->
+#: owner).  A backward message travels the forward one's links the other way round.
+DIRECTIONS: tuple[str, ...] = ("forward", "backward")
+
+
 @dataclass
 class HaloPlan:
     """Per-rank communication plan for the halo exchange.
@@ -121,6 +126,20 @@ class HaloPlan:
     @property
     def num_send(self) -> int:
         return int(sum(self.send_counts))
+
+    def counts(self, direction: str) -> tuple[list[int], list[int]]:
+        """``(send_counts, recv_counts)`` of a message in ``direction``: a backward message
+        (halo-row gradients going home) sends ``recv_counts`` and receives ``send_counts``."""
+        if direction == "forward":
+            return self.send_counts, self.recv_counts
+        if direction == "backward":
+            return self.recv_counts, self.send_counts
+        raise ValueError(f"direction={direction!r}; choose one of {DIRECTIONS}")
+
+    def rows(self, direction: str) -> tuple[int, int]:
+        """``(rows sent, rows received)`` by this rank in ``direction``."""
+        send, recv = self.counts(direction)
+        return int(sum(send)), int(sum(recv))
 
     def to(self, device: torch.device | str) -> HaloPlan:
         """Returns a copy whose index tensors live on ``device``."""
@@ -249,10 +268,10 @@ def locality_order(
         return rcm_order(src, dst, num_nodes)
     import pymetis
 
-    from .partitioner import _symmetric_simple_csr
+    from .partitioner import symmetric_simple_csr
 
     idx_dtype = pymetis.zero_copy_dtype()
-    degree, adjncy = _symmetric_simple_csr(
+    degree, adjncy = symmetric_simple_csr(
         (src, dst), num_nodes, max_edges=max_edges_per_node * num_nodes, seed=seed
     )
     if adjncy.size == 0:

@@ -129,7 +129,7 @@ def test_concurrent_jobs_are_correct_without_the_lock(tmp_path, monkeypatch) -> 
     Negative control: with ``_publish`` replaced by the old delete-then-replace, 9 of 24 calls
     failed ("Directory not empty", missing files); with a ``_publish`` that adopts an existing
     folder without checking it, 12 of 24 used the stale folder (format version 0)."""
-    monkeypatch.setattr(cache_mod, "_flock", lambda fd: None)
+    monkeypatch.setattr(cache_mod, "try_flock", lambda fd: None)
     root = tmp_path / "cache"
     data = _race_graph()
     folder = root / partition_folder_name(graph_fingerprint(data), "metis", NUM_PARTS, 0, "edges")

@@ -226,7 +226,7 @@ def test_a_script_with_a_configuration_error_fails_before_any_rank_starts(tmp_pa
     ``train_mask``, or a ChebConv module: exit status 1, the error and its fix are the last
     paragraph, printed once, no lost-peer or timeout text, and no rank process was started.
 
-    Negative control (run: the ``_preflight`` call of the popen launcher in ``_shutdown.py``
+    Negative control (run: the ``_preflight`` call of the popen launcher in ``launch/launchers.py``
     commented out): parts starts ranks 1 and 2, masks rank 1, so the ``_ranks_started`` check
     fails (the error is still last and once: rank 0 finds it and reports it, its peers stay
     quiet; with ``claim_report`` disabled too, i.e. before this change, the output ends with a

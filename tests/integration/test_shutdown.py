@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_fullgraph._shutdown import GRACE
+from lightning_fullgraph.launch.guard import GRACE
 from tests.conftest import REPO, free_port
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc and POSIX signals")
@@ -335,7 +335,7 @@ def test_handlers_are_restored_after_a_run(tmp_path) -> None:
 
     Negative control: a guard that is not uninstalled leaves its handler on both signals."""
     from lightning_fullgraph import FullGraphDataModule
-    from lightning_fullgraph._shutdown import active_guard
+    from lightning_fullgraph.launch.guard import active_guard
     from tests.helpers import NodeClassifier, cpu_trainer, directed_graph
 
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}

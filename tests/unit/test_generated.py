@@ -24,7 +24,7 @@ from lightning_fullgraph.generated import (
     is_generated_name,
     products_like_graph,
 )
-from lightning_fullgraph.partition.partitioner import _symmetric_simple_csr, partition_graph, partition_stats
+from lightning_fullgraph.partition.partitioner import partition_graph, partition_stats, symmetric_simple_csr
 
 REPO = Path(__file__).resolve().parents[2]
 N = 20_000
@@ -201,7 +201,7 @@ _MEASURE = r"""
 import json, sys
 import torch
 from lightning_fullgraph.generated import products_like_graph
-from lightning_fullgraph.partition.cache import max_rss_mib
+from lightning_fullgraph._os import max_rss_mib
 {prefix}
 base = max_rss_mib()
 g = {call}
@@ -245,15 +245,15 @@ def test_metis_sample_is_symmetric_deterministic_and_bounded(graph) -> None:
     """``metis_max_edges`` gives METIS a symmetric sample of about that many undirected
     edges, the same for the same seed.  Negative control: without a bound every edge is kept."""
     und = graph.edge_index.size(1) // 2
-    degree, adj = _symmetric_simple_csr(graph.edge_index, N)
+    degree, adj = symmetric_simple_csr(graph.edge_index, N)
     assert int(degree.sum()) == adj.size == 2 * und
-    degree, adj = _symmetric_simple_csr(graph.edge_index, N, max_edges=und // 4, seed=3)
+    degree, adj = symmetric_simple_csr(graph.edge_index, N, max_edges=und // 4, seed=3)
     assert abs(adj.size / 2 - und / 4) < 0.02 * und
     row = torch.repeat_interleave(torch.arange(N), torch.from_numpy(degree))
     col = torch.from_numpy(adj)
     fwd = torch.sort(row * N + col).values
     assert torch.equal(fwd, torch.sort(col * N + row).values)
-    _, again = _symmetric_simple_csr(graph.edge_index, N, max_edges=und // 4, seed=3)
+    _, again = symmetric_simple_csr(graph.edge_index, N, max_edges=und // 4, seed=3)
     assert (again == adj).all()
 
 
@@ -268,7 +268,7 @@ def test_metis_sample_size_holds_when_the_input_is_not_symmetric(graph, form: st
     ei = graph.edge_index
     edges = ei[:, ei[0] < ei[1]] if form == "one-directional" else torch.cat([ei, ei, ei], 1)
     target = und // 4
-    degree, adj = _symmetric_simple_csr(edges, N, max_edges=target, seed=3)
+    degree, adj = symmetric_simple_csr(edges, N, max_edges=target, seed=3)
     assert abs(adj.size / 2 - target) < 0.05 * target
     row = torch.repeat_interleave(torch.arange(N), torch.from_numpy(degree))
     col = torch.from_numpy(adj)

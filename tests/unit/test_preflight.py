@@ -1,5 +1,5 @@
 """The launcher's checks before any rank starts (``lightning_fullgraph.preflight``) and the
-rule deciding which rank of a popen run reports a failure (``_shutdown.claim_report``).
+rule deciding which rank of a popen run reports a failure (``launch.report.claim_report``).
 
 No process is started here: a Trainer is only constructed, and the trainer functions are
 read, never called."""
@@ -15,7 +15,8 @@ import pytest
 from torch import nn
 from torch_geometric.nn import ChebConv, GCNConv, MessagePassing
 
-from lightning_fullgraph import FullGraphDataModule, FullGraphStrategy, UnsupportedConvError, _shutdown
+from lightning_fullgraph import FullGraphDataModule, FullGraphStrategy, UnsupportedConvError
+from lightning_fullgraph.launch import report
 from lightning_fullgraph.nn.adapters import install_adapters
 from lightning_fullgraph.preflight import (
     check_before_launch,
@@ -218,7 +219,7 @@ def test_a_node_that_does_not_prepare_data_does_not_load_the_graph(tmp_path) -> 
 # -- which rank reports a failure -------------------------------------------------------------
 @pytest.fixture
 def run_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv(_shutdown.RUN_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(report.RUN_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     return tmp_path
 
@@ -232,10 +233,10 @@ def _reported_by_another_rank(run_dir, error: BaseException) -> None:
 def test_the_first_rank_to_fail_reports(run_dir) -> None:
     """Negative control: a ``claim_report`` without the atomic link reports twice."""
     error = ValueError("bad lr")
-    assert _shutdown.claim_report(error, rank=0)
+    assert report.claim_report(error, rank=0)
     assert (run_dir / "reported").exists()
-    assert _shutdown.claim_report(error, rank=0)  # this process again: still its report
-    assert not _shutdown.reported_elsewhere()
+    assert report.claim_report(error, rank=0)  # this process again: still its report
+    assert not report.reported_elsewhere()
 
 
 @pytest.mark.parametrize(
@@ -248,8 +249,8 @@ def test_a_peer_of_the_reporting_rank_stays_quiet(run_dir, capsys, error) -> Non
     (its uncaught exception ends it with status 1); code catching it still gets it.
     Negative control: ``claim_report`` always True fails the first assert."""
     _reported_by_another_rank(run_dir, ValueError("bad lr"))
-    assert _shutdown.reported_elsewhere()
-    assert not _shutdown.claim_report(error, rank=0)
+    assert report.reported_elsewhere()
+    assert not report.claim_report(error, rank=0)
     sys.excepthook(type(error), error, None)
     assert capsys.readouterr().err == ""
     other = KeyError("another error")
@@ -262,32 +263,32 @@ def test_a_different_error_or_an_unreported_lost_peer_is_reported(run_dir) -> No
     is reported (with the halo-exchange paragraph).  Negative control: quiet on any report
     hides the ``TypeError``."""
     lost = RuntimeError("Connection closed by peer")
-    assert _shutdown.claim_report(lost, rank=1)
+    assert report.claim_report(lost, rank=1)
     _reported_by_another_rank(run_dir, ValueError("bad lr"))
-    assert _shutdown.claim_report(TypeError("something else"), rank=0)
+    assert report.claim_report(TypeError("something else"), rank=0)
 
 
 def test_without_a_run_folder_every_rank_reports(monkeypatch) -> None:
-    monkeypatch.delenv(_shutdown.RUN_DIR_ENV, raising=False)
-    assert _shutdown.claim_report(RuntimeError("Connection closed by peer"), rank=1)
+    monkeypatch.delenv(report.RUN_DIR_ENV, raising=False)
+    assert report.claim_report(RuntimeError("Connection closed by peer"), rank=1)
 
 
 def test_lost_peer_errors() -> None:
-    assert _shutdown.is_lost_peer(RuntimeError("Connection closed by peer"))
-    assert _shutdown.is_lost_peer(RuntimeError("[gloo] Timed out waiting 30000ms"))
-    assert not _shutdown.is_lost_peer(ValueError("num_parts=2"))
+    assert report.is_lost_peer(RuntimeError("Connection closed by peer"))
+    assert report.is_lost_peer(RuntimeError("[gloo] Timed out waiting 30000ms"))
+    assert not report.is_lost_peer(ValueError("num_parts=2"))
 
 
 def test_old_run_folders_of_exited_launchers_are_removed(tmp_path, monkeypatch) -> None:
     """Negative control: ``make_run_dir`` without its clean-up leaves ``stale``."""
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
-    stale = tmp_path / f"{_shutdown._RUN_DIR_PREFIX}999999999-x"
-    live = tmp_path / f"{_shutdown._RUN_DIR_PREFIX}{os.getpid()}-y"
+    stale = tmp_path / f"{report.RUN_DIR_PREFIX}999999999-x"
+    live = tmp_path / f"{report.RUN_DIR_PREFIX}{os.getpid()}-y"
     for folder in (stale, live):
         folder.mkdir()
         os.utime(folder, (0, 0))
-    made = _shutdown.make_run_dir()
+    made = report.make_run_dir()
     assert os.path.isdir(made) and os.path.basename(made).startswith(
-        f"{_shutdown._RUN_DIR_PREFIX}{os.getpid()}-"
+        f"{report.RUN_DIR_PREFIX}{os.getpid()}-"
     )
     assert not stale.exists() and live.exists()

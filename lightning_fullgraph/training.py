@@ -1,0 +1,308 @@
+r"""What makes distributed full-graph training equal single-process training, outside the
+halo exchange: the loss weights, the gradient all-reduce, the node-output gather, what a
+rank logs, and the figures of the run.  :class:`~lightning_fullgraph.FullGraphStrategy`
+calls these from its Lightning hooks.
+
+The global gradient is the gradient of the mean loss over all training nodes:
+
+.. math::
+    \nabla_\theta \mathcal{L} = \sum_r \frac{n_r}{n}\, \nabla_\theta \mathcal{L}_r,
+    \qquad \mathcal{L}_r = \frac{1}{n_r}\sum_{i \in \mathcal{T}_r} \ell_i
+
+Each rank back-propagates :math:`(n_r/n)\,\mathcal{L}_r` (:func:`loss_scale`) and the weight
+gradients are summed over ranks after every backward call (:func:`all_reduce_gradients`),
+only what that call added.
+
+Every function that takes a ``world_size > 1`` issues collectives on the default process
+group: all ranks call it, in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+
+from lightning_fullgraph.validation import all_finite
+
+if TYPE_CHECKING:
+    from lightning_fullgraph.comm.policy import CompressionPolicy
+    from lightning_fullgraph.partition.plan import LocalPartition
+
+__all__ = [
+    "LOSS_WEIGHTINGS",
+    "STAGE_MASKS",
+    "all_reduce_gradients",
+    "describe_run",
+    "forget_empty_means",
+    "gather_node_outputs",
+    "gradient_snapshot",
+    "graph_figures",
+    "loss_scale",
+    "mean_over_ranks_with_nodes",
+    "stage_nodes",
+    "warn_non_exact_layers",
+]
+
+LOSS_WEIGHTINGS = ("train_mask", "mean", "sum")
+#: The masks of the training, validation and test stages (``self.log``'s batch size).
+STAGE_MASKS = ("train_mask", "val_mask", "test_mask")
+
+
+# -- loss weights and gradients ---------------------------------------------------------------
+def loss_scale(
+    partition: LocalPartition, loss_weighting: str, mask_key: str, world_size: int, device: torch.device
+) -> float:
+    """The factor this rank's loss is multiplied by before backward (module docstring):
+    ``n_r / n`` for ``"train_mask"``, ``1 / world_size`` for ``"mean"``, 1 for ``"sum"``.
+    A collective for ``"train_mask"``."""
+    if loss_weighting == "sum":
+        return 1.0
+    if loss_weighting == "mean":
+        return 1.0 / world_size
+    data = partition.data
+    if mask_key not in data:
+        raise KeyError(
+            f"loss_weighting='train_mask' needs a node mask `{mask_key}` in the batch; set "
+            f"FullGraphStrategy(mask_key=...) or loss_weighting='mean'"
+        )
+    mask = data[mask_key]
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != (partition.plan.num_owned,):
+        if not isinstance(mask, Tensor) or mask.dim() != 2:
+            raise ValueError(
+                f"`{mask_key}` must be a bool tensor with one entry per owned node "
+                f"({partition.plan.num_owned}), got {getattr(mask, 'dtype', type(mask))} of shape "
+                f"{list(getattr(mask, 'shape', []))}; a partition folder written by hand may hold another mask"
+            )
+        # Summing an [N, S] mask counts every split: the rank weights would be silently wrong.
+        raise ValueError(
+            f"`{mask_key}` has shape {list(mask.shape)}: one column per split. Choose the split "
+            "with FullGraphDataModule(split=k) (default 0), which selects it before partitioning"
+        )
+    local = torch.tensor([float(mask.sum())], dtype=torch.float64, device=device)
+    total = local.clone()
+    if world_size > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    if float(total) == 0:
+        raise ValueError(f"no node anywhere is set in `{mask_key}`: there is nothing to train on")
+    return float(local) / float(total)
+
+
+def gradient_snapshot(module: torch.nn.Module) -> dict[Tensor, Tensor | None]:
+    """Every trainable parameter's gradient before a backward call (copies; ``None`` where
+    there is none): what that call adds is ``p.grad - before``."""
+    return {
+        p: (p.grad.detach().clone() if p.grad is not None else None) for p in module.parameters() if p.requires_grad
+    }
+
+
+def all_reduce_gradients(
+    module: torch.nn.Module,
+    before: dict[Tensor, Tensor | None] | None,
+    device: torch.device,
+    check_finite: bool = True,
+    rank: int = 0,
+) -> None:
+    """Sums over ranks what the backward call that just ran added to every gradient.
+
+    Only that call's contribution crosses the wire, and it is added to the gradient held
+    before the call: a gradient accumulated over several backward calls (manual
+    optimization, a regulariser's own backward, stepping every k-th epoch) is summed once,
+    never again, and ``p.grad`` is the single-process gradient whenever user code sees it
+    (clipping, inspection, ``optimizer.step``), as under DDP.
+
+    Args:
+        module: The model whose trainable parameters' gradients are summed.
+        before: :func:`gradient_snapshot` taken before the call (``None``: no gradient
+            existed, the whole of ``p.grad`` is the call's).
+        device: Where the collectives' tensors live.
+        check_finite: Raise naming ``rank`` when the summed gradient holds NaN/inf.
+        rank: This rank (for the message).
+    """
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        return
+    before = before or {}
+    # A parameter may have a gradient on some ranks only (e.g. a branch unused here):
+    # agree first, so that all ranks all-reduce the same buffers.
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=device)
+    dist.all_reduce(has, op=dist.ReduceOp.MAX)
+    live = [p for p, h in zip(params, has.tolist()) if h]
+    for p in live:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for p in live:
+        by_dtype.setdefault(p.grad.dtype, []).append(p)
+    for group in by_dtype.values():
+        olds = [before.get(p) for p in group]
+        added = [p.grad if old is None else p.grad - old for p, old in zip(group, olds)]
+        flat = torch.cat([a.reshape(-1) for a in added])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        if check_finite and not all_finite(flat):
+            raise FloatingPointError(
+                f"rank {rank}: the summed weight gradient holds NaN/inf although every "
+                "layer output and loss was finite on this rank; another rank's log names the cause"
+            )
+        offset = 0
+        for p, old in zip(group, olds):
+            total = flat[offset : offset + p.numel()].view_as(p.grad)
+            p.grad.copy_(total if old is None else old + total)
+            offset += p.numel()
+
+
+# -- outputs ----------------------------------------------------------------------------------
+def gather_node_outputs(out: Any, partition: LocalPartition, world_size: int, device: torch.device) -> Any:
+    """Assembles per-rank node outputs into the global node order.
+
+    Every tensor in ``out`` (nested tuples/lists/dicts too) whose first dimension equals
+    the rank's owned node count is gathered from all ranks and returned with one row per
+    global node, row ``v`` for global node ``v``.  Other values pass through.
+    """
+    from lightning_utilities.core.apply_func import apply_to_collection
+
+    n_id = partition.data.n_id.to(device)
+    n_owned = n_id.numel()
+    num_global = partition.num_global_nodes
+
+    def gather(t: Tensor) -> Tensor:
+        if t.dim() == 0 or t.size(0) != n_owned:
+            return t
+        if world_size == 1:
+            result = t.new_empty((num_global,) + tuple(t.shape[1:]))
+            result[n_id] = t
+            return result
+        counts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world_size)]
+        dist.all_gather(counts, torch.tensor([n_owned], device=device))
+        sizes = [int(c) for c in counts]
+        width = max(sizes)
+        padded = t.new_zeros((width,) + tuple(t.shape[1:]))
+        padded[:n_owned] = t
+        ids = n_id.new_full((width,), -1)
+        ids[:n_owned] = n_id
+        rows = [torch.empty_like(padded) for _ in sizes]
+        all_ids = [torch.empty_like(ids) for _ in sizes]
+        dist.all_gather(rows, padded.contiguous())
+        dist.all_gather(all_ids, ids)
+        result = t.new_empty((num_global,) + tuple(t.shape[1:]))
+        for size, r, i in zip(sizes, rows, all_ids):
+            result[i[:size]] = r[:size]
+        return result
+
+    return apply_to_collection(out, Tensor, gather)
+
+
+# -- what a rank logs ---------------------------------------------------------------------------
+def stage_nodes(
+    partition: LocalPartition, world_size: int, device: torch.device
+) -> tuple[dict[str, int], frozenset[str]]:
+    """This rank's node count in each stage mask (bool masks only), and the stages where some
+    rank has none (one all-reduce; the same answer on every rank)."""
+    counts = {}
+    for key in STAGE_MASKS:
+        mask = getattr(partition.data, key, None)
+        if isinstance(mask, Tensor) and mask.dtype == torch.bool:
+            counts[key] = int(mask.sum())
+    empty = torch.tensor([float(counts.get(k, 1) == 0) for k in STAGE_MASKS], dtype=torch.float64)
+    if world_size > 1:
+        empty = empty.to(device)
+        dist.all_reduce(empty, op=dist.ReduceOp.MAX)
+    return counts, frozenset(k for k, e in zip(STAGE_MASKS, empty.tolist()) if e)
+
+
+def forget_empty_means(results: Any) -> None:
+    """A rank with no node in the stage's mask logs a mean over no node (NaN for a loss)
+    with weight 0, and ``NaN * 0`` is NaN: the epoch's weighted mean over ranks would be
+    NaN on every rank.  Such an accumulated value carries no information; make it 0.
+
+    Args:
+        results: Lightning's ``trainer._results`` (a ``_ResultCollection``), or ``None``.
+    """
+    if results is None:
+        return
+    for metric in results.values():
+        value = getattr(metric, "value", None)
+        if (
+            getattr(metric, "is_tensor", False)
+            and metric.meta.is_mean_reduction
+            and isinstance(value, Tensor)
+            and float(metric.cumulated_batch_size) == 0
+            and not bool(torch.isfinite(value).all())
+        ):
+            metric.value = torch.zeros_like(value)
+
+
+def mean_over_ranks_with_nodes(tensor: Tensor, has_nodes: bool, group: Any | None = None) -> Tensor:
+    """``sum_r has_r x_r / sum_r has_r`` over the ranks of ``group`` (NaN when no rank has
+    nodes), in float (an integer tensor's mean is a float).  A collective."""
+    value = tensor.detach().to(torch.float64).reshape(-1)
+    packed = torch.cat([value if has_nodes else torch.zeros_like(value), value.new_tensor([float(has_nodes)])])
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    count = float(packed[-1])
+    out = packed[:-1] / count if count else torch.full_like(packed[:-1], math.nan)
+    dtype = tensor.dtype if tensor.is_floating_point() else torch.get_default_dtype()
+    return out.reshape(tensor.shape).to(dtype)
+
+
+# -- the run's figures ------------------------------------------------------------------------
+def graph_figures(partition: LocalPartition, world_size: int, device: torch.device) -> tuple[float, Tensor]:
+    """``(halo share, table)``: the share of halo rows among the aggregation inputs of the
+    whole graph -- edges whose source is a halo row, over all edges plus one self term per
+    node (GCN's self-loop, SAGE's root term) -- and every rank's ``[owned rows, halo rows,
+    edges from halo rows, edges]`` (``[world_size, 4]``, float64).  One all-gather: every rank
+    gets the same figures."""
+    edge_index, plan = partition.data.edge_index, partition.plan
+    halo_edges = float((edge_index[0] >= plan.num_owned).sum()) if edge_index.numel() else 0.0
+    mine = torch.tensor(
+        [float(plan.num_owned), float(plan.num_halo), halo_edges, float(edge_index.size(1))], dtype=torch.float64
+    )
+    if world_size > 1:
+        mine = mine.to(device)
+        rows = [torch.empty_like(mine) for _ in range(world_size)]
+        dist.all_gather(rows, mine)
+        table = torch.stack(rows).cpu()
+    else:
+        table = mine.reshape(1, -1)
+    inputs = float(table[:, 3].sum() + table[:, 0].sum())
+    return (float(table[:, 2].sum()) / inputs if inputs > 0 else 0.0), table
+
+
+def describe_run(policy: CompressionPolicy, table: Tensor, halo_share: float) -> str:
+    """The fit-start line: mode and settings, graph, parts, halo rows per rank and their
+    share of the aggregation inputs (``table`` from :func:`graph_figures`)."""
+    settings = ", ".join(f"{k}={v}" for k, v in policy.settings().items() if v is not None)
+    nodes, edges = int(table[:, 0].sum()), int(table[:, 3].sum())
+    halo = [int(h) for h in table[:, 1].tolist()]
+    shown = ", ".join(map(str, halo[:8])) + (", ..." if len(halo) > 8 else "")
+    return (
+        f"FullGraphStrategy: mode {policy.name}{f' ({settings})' if settings else ''}; graph "
+        f"{nodes:,} nodes, {edges:,} edges in {len(halo)} part(s); halo rows per rank [{shown}] "
+        f"({sum(halo) / max(nodes, 1):.1%} of the nodes), {halo_share:.1%} of the aggregation inputs"
+    )
+
+
+_NON_EXACT_NORMS = ("BatchNorm", "GraphNorm", "InstanceNorm", "PairNorm", "DiffGroupNorm", "GraphSizeNorm")
+
+
+def warn_non_exact_layers(module: torch.nn.Module) -> None:
+    """Warns about layers whose statistics span nodes of several ranks (not exact here)."""
+    from torch_geometric.nn.norm import LayerNorm as PygLayerNorm
+
+    names = set()
+    for m in module.modules():
+        name = type(m).__name__
+        if any(name.startswith(n) or name == n for n in _NON_EXACT_NORMS):
+            names.add(name)
+        if isinstance(m, PygLayerNorm) and getattr(m, "mode", "graph") == "graph":
+            names.add("torch_geometric.nn.LayerNorm(mode='graph')")
+    if names:
+        rank_zero_warn(
+            f"{sorted(names)} normalise over the nodes of a batch; under FullGraphStrategy each rank "
+            "only sees its own partition, so their statistics differ from a single-process run. "
+            "Use per-node normalisation (torch.nn.LayerNorm, or PyG LayerNorm(mode='node')) for "
+            "exact results."
+        )
