@@ -127,6 +127,16 @@ def _graph(world_size: int = 2) -> Data:
     return without_training_nodes_on_last_rank(directed_graph(seed=5), world_size)
 
 
+def _fit_like_one_process(model: NodeClassifier, reference: Any, epochs: int, tmp_path: Path) -> None:
+    """Trains ``model`` on 2 ranks for ``epochs`` epochs and checks its weights against
+    ``reference(copy of model, graph, epochs)`` run in this process."""
+    data = _graph()
+    initial = copy.deepcopy(model.state_dict())
+    expected = reference(copy.deepcopy(model), data, epochs)
+    cpu_trainer(2, max_epochs=epochs).fit(model, datamodule=FullGraphDataModule(data, cache_dir=tmp_path))
+    _assert_same(model.state_dict(), expected, initial)
+
+
 def _assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], initial: dict) -> None:
     assert any(not torch.equal(initial[k], expected[k]) for k in expected), "training must move the weights"
     for key in expected:
@@ -146,13 +156,8 @@ def test_manual_optimization_with_two_backward_calls_equals_single_process(
     backward call (the old ``post_backward``: ``_all_reduce_gradients(None)``) sums the first
     call's gradient twice (the issue measured 0.0166 off); both cases fail.
     """
-    data = _graph()
     torch.manual_seed(0)
-    model = ManualTwoBackward(clip=clip, num_layers=2)
-    initial = copy.deepcopy(model.state_dict())
-    expected = two_backward_reference(copy.deepcopy(model), data, EPOCHS)
-    cpu_trainer(2, max_epochs=EPOCHS).fit(model, datamodule=FullGraphDataModule(data, cache_dir=tmp_path))
-    _assert_same(model.state_dict(), expected, initial)
+    _fit_like_one_process(ManualTwoBackward(clip=clip, num_layers=2), two_backward_reference, EPOCHS, tmp_path)
 
 
 @pytest.mark.timeout(120)
@@ -162,13 +167,8 @@ def test_manual_stepping_every_second_epoch_equals_single_process(tmp_path) -> N
     Negative control: the old per-backward all-reduce of the accumulated gradient sums the
     first epoch's gradient twice (the issue measured 0.0092 off) and this test fails.
     """
-    data = _graph()
     torch.manual_seed(0)
-    model = StepEverySecondEpoch(num_layers=2)
-    initial = copy.deepcopy(model.state_dict())
-    expected = every_second_reference(copy.deepcopy(model), data, EPOCHS)
-    cpu_trainer(2, max_epochs=EPOCHS).fit(model, datamodule=FullGraphDataModule(data, cache_dir=tmp_path))
-    _assert_same(model.state_dict(), expected, initial)
+    _fit_like_one_process(StepEverySecondEpoch(num_layers=2), every_second_reference, EPOCHS, tmp_path)
 
 
 @pytest.mark.timeout(120)
@@ -179,13 +179,8 @@ def test_closure_optimizer_equals_single_process(tmp_path) -> None:
     Negative control: without the all-reduce in ``post_backward`` L-BFGS steps on each rank's
     local gradient and this test fails.
     """
-    data = _graph()
     torch.manual_seed(0)
-    model = LBFGSClassifier(num_layers=2)
-    initial = copy.deepcopy(model.state_dict())
-    expected = lbfgs_reference(copy.deepcopy(model), data, 2)
-    cpu_trainer(2, max_epochs=2).fit(model, datamodule=FullGraphDataModule(data, cache_dir=tmp_path))
-    _assert_same(model.state_dict(), expected, initial)
+    _fit_like_one_process(LBFGSClassifier(num_layers=2), lbfgs_reference, 2, tmp_path)
 
 
 @pytest.mark.timeout(60)
@@ -324,13 +319,8 @@ def test_two_backward_calls_through_the_graph_equal_single_process(tmp_path) -> 
     Negative control: the old per-backward all-reduce of the accumulated gradient fails
     this test (the first call's weight gradient is summed twice).
     """
-    data = _graph()
     torch.manual_seed(0)
-    model = TwoLossesThroughTheGraph(num_layers=2)
-    initial = copy.deepcopy(model.state_dict())
-    expected = two_losses_reference(copy.deepcopy(model), data, EPOCHS)
-    cpu_trainer(2, max_epochs=EPOCHS).fit(model, datamodule=FullGraphDataModule(data, cache_dir=tmp_path))
-    _assert_same(model.state_dict(), expected, initial)
+    _fit_like_one_process(TwoLossesThroughTheGraph(num_layers=2), two_losses_reference, EPOCHS, tmp_path)
 
 
 @pytest.mark.timeout(120)
