@@ -14,6 +14,8 @@ from lightning_fullgraph.datasets import load_dataset
 from lightning_fullgraph.models import GNNNodeClassifier
 from tests.helpers import cpu_trainer
 
+pytestmark = pytest.mark.accuracy
+
 EPOCHS = 100
 
 
