@@ -380,7 +380,7 @@ class FullGraphCLI(LightningCLI):
         strategy = config.get("trainer.strategy") if config is not None else None
         if strategy is None or isinstance(strategy, str) or not strategy.get("class_path"):
             return None
-        from lightning_fullgraph.comm.policy import POLICIES
+        from lightning_fullgraph.comm.policy import POLICIES, policy_settings
         from lightning_fullgraph.strategy import FullGraphStrategy
 
         try:
@@ -396,19 +396,13 @@ class FullGraphCLI(LightningCLI):
         mode = init.get("mode") or "exact"
         if mode not in POLICIES:
             return None
-
-        def takes(m: str) -> set[str]:
-            return set(inspect.signature(POLICIES[m].__init__).parameters) - {"self"}
-
-        every = set().union(*(takes(m) for m in POLICIES))
+        every = set().union(*(policy_settings(m) for m in POLICIES))
         given = {k for k, v in init.items() if v is not None and k in every}
-        extra = given - takes(mode)
-        if mode == "exact" and init.get("bits") is not None:
-            extra.add("bits")
+        extra = given - policy_settings(mode)
         extra_names = sorted(extra)
         if not extra_names or not any(name in message for name in extra_names):
             return None
-        modes = [m for m in POLICIES if m != mode and extra <= takes(m)]
+        modes = [m for m in POLICIES if m != mode and extra <= policy_settings(m)]
         flags = ", ".join(f"--trainer.strategy.{k}" for k in extra_names)
         fix = f"drop {flags} (settings of another mode; trainer.strategy.init_args in a config)"
         if modes:

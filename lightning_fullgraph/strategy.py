@@ -423,7 +423,7 @@ class FullGraphStrategy(DDPStrategy):
         if module is not None and not module.automatic_optimization:
             # every backward call of the step has run
             self._end_training_step()
-        self._forget_empty_means()
+        self._forget_empty_means("train_mask")
         return out
 
     @override
@@ -433,7 +433,7 @@ class FullGraphStrategy(DDPStrategy):
             return super().validation_step(*args, **kwargs)
         finally:
             self._logging_stage = None
-            self._forget_empty_means()
+            self._forget_empty_means("val_mask")
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -442,7 +442,7 @@ class FullGraphStrategy(DDPStrategy):
             return super().test_step(*args, **kwargs)
         finally:
             self._logging_stage = None
-            self._forget_empty_means()
+            self._forget_empty_means("test_mask")
 
     def _set_log_batch_size(self, mask_key: str) -> None:
         """The ``batch_size`` of the step's ``self.log`` calls: this rank's nodes in the stage's
@@ -459,7 +459,9 @@ class FullGraphStrategy(DDPStrategy):
         results.batch_size = count
         self._logging_stage = mask_key
 
-    def _forget_empty_means(self) -> None:
+    def _forget_empty_means(self, mask_key: str) -> None:
+        if self._stage_nodes.get(mask_key, 1) > 0:
+            return  # (only a rank without nodes in the stage logs means of weight 0)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         forget_empty_means(getattr(trainer, "_results", None) if trainer is not None else None)
 

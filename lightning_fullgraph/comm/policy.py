@@ -61,6 +61,7 @@ __all__ = [
     "PolicyEnv",
     "SylviePolicy",
     "make_policy",
+    "policy_settings",
 ]
 
 #: Fixed bit-widths a quantized message can use; 32 sends fp32 (through Sylvie's pipeline).
@@ -678,15 +679,20 @@ class SylviePolicy(_QuantizedPolicy):
 POLICIES: dict[str, type[CompressionPolicy]] = {"exact": ExactPolicy, "adaqp": AdaQPPolicy, "sylvie": SylviePolicy}
 
 
+def policy_settings(mode: str) -> frozenset[str]:
+    """The settings ``mode``'s policy takes (its constructor's arguments)."""
+    import inspect
+
+    return frozenset(inspect.signature(POLICIES[mode].__init__).parameters) - {"self"}
+
+
 def make_policy(mode: str, **settings: Any) -> CompressionPolicy:
     """The policy of ``mode`` built from the settings that apply to it (``None`` values are
     left at the policy's default)."""
     if mode not in POLICIES:
         raise ValueError(f"mode={mode!r} is not a mode; choose one of {tuple(POLICIES)}")
     cls = POLICIES[mode]
-    import inspect
-
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    accepted = policy_settings(mode)
     given = {k: v for k, v in settings.items() if v is not None}
     extra = sorted(set(given) - accepted)
     if extra == ["bits"] and mode == "exact":

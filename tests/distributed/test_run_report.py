@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch_geometric.data import Data
 
+from tests.conftest import free_port
 from tests.helpers import NodeClassifier, cpu_trainer
 
 pytestmark = pytest.mark.timeout(180)
@@ -37,7 +38,8 @@ def _run(tmp_path: Path, body: str) -> str:
         f"tmp = Path({str(tmp_path)!r})\n"
         "if __name__ == '__main__':\n" + "".join(f"    {line}\n" for line in body.strip().splitlines())
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    # a port of its own: a test runs several scripts, and one may still hold the last one's
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(free_port())}
     proc = subprocess.run(
         [sys.executable, str(script)],
         cwd=tmp_path,
@@ -85,6 +87,7 @@ def fit_two_ranks(
     """What the user's script does: fit on 2 CPU ranks."""
     from lightning_fullgraph import FullGraphDataModule
 
+    os.environ["MASTER_PORT"] = str(free_port())  # a script may fit several times
     model = model or NodeClassifier(in_dim=data.num_features, num_layers=2)
     trainer = cpu_trainer(2, max_epochs=epochs, **kwargs)
     trainer.fit(model, datamodule=FullGraphDataModule(data, cache_dir=parts))

@@ -40,12 +40,19 @@ def _params(module: NodeClassifier) -> list[torch.Tensor]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
-class ManualTwoBackward(NodeClassifier):
+class ManualOptimization(NodeClassifier):
+    """The helpers' classifier, optimized by hand (Lightning's manual optimization)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+
+class ManualTwoBackward(ManualOptimization):
     """Manual optimization: the data loss and an L2 penalty back-propagated by two calls."""
 
     def __init__(self, clip: float | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.automatic_optimization = False
         self.clip = clip
 
     def training_step(self, batch: Data, batch_idx: int) -> torch.Tensor:
@@ -72,12 +79,8 @@ def two_backward_reference(module: ManualTwoBackward, data: Data, steps: int) ->
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-class StepEverySecondEpoch(NodeClassifier):
+class StepEverySecondEpoch(ManualOptimization):
     """Lightning's documented manual accumulation: backward every epoch, step every second."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.automatic_optimization = False
 
     def training_step(self, batch: Data, batch_idx: int) -> torch.Tensor:
         opt = self.optimizers()
@@ -281,13 +284,9 @@ def test_the_custom_module_example_logs_a_finite_loss_with_an_empty_rank(tmp_pat
     assert math.isclose(float(trainer.callback_metrics["train_loss"]), float(loss), rel_tol=1e-5)
 
 
-class TwoLossesThroughTheGraph(NodeClassifier):
+class TwoLossesThroughTheGraph(ManualOptimization):
     """Manual optimization: two losses on one forward, back-propagated by two calls through
     every layer (``retain_graph``): each call sends its own halo gradients."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.automatic_optimization = False
 
     def training_step(self, batch: Data, batch_idx: int) -> torch.Tensor:
         opt = self.optimizers()
