@@ -13,6 +13,14 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATASETS = Path(os.environ.get("LIGHTNING_FULLGRAPH_SHARED", REPO.parent / "shared")) / "datasets"
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Every test under ``tests/distributed`` carries the ``distributed`` marker."""
+    distributed = REPO / "tests" / "distributed"
+    for item in items:
+        if distributed in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.distributed)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

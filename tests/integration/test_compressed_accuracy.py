@@ -33,7 +33,7 @@ from lightning_fullgraph.datasets import load_dataset
 from lightning_fullgraph.models import GNNNodeClassifier
 from tests.conftest import SHARED_DATASETS
 
-pytestmark = pytest.mark.accuracy
+pytestmark = pytest.mark.slow
 
 EPOCHS = 60
 SEEDS = (0, 1, 2)

@@ -33,7 +33,7 @@ from lightning_fullgraph.datasets import community_graph
 from lightning_fullgraph.models import GNNNodeClassifier
 from lightning_fullgraph.partition.cache import load_part
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.accuracy]
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 RANKS = 4
 EPOCHS = 60

@@ -14,7 +14,7 @@ from lightning_fullgraph.datasets import load_dataset
 from lightning_fullgraph.models import GNNNodeClassifier
 from tests.helpers import cpu_trainer
 
-pytestmark = pytest.mark.accuracy
+pytestmark = pytest.mark.slow
 
 EPOCHS = 100
 
