@@ -1,4 +1,11 @@
-"""How standard PyG convs are made partition-aware."""
+"""How standard PyG convs are made partition-aware.
+
+Modules, each importing only those listed before it: ``errors`` (:class:`UnsupportedConvError`),
+``sparse`` (CSR blocks), ``scores`` (the halo rows' aggregation scores), ``context``
+(:class:`HaloContext`, incl. GCN's global degrees), ``gcn`` and ``families`` (the adapters),
+``registry`` (which conv type gets which adapter, and the refusals), ``patch``
+(:func:`install_adapters`, :func:`uninstall_adapters`).
+"""
 
 from lightning_fullgraph.nn.context import HaloContext
 from lightning_fullgraph.nn.errors import UnsupportedConvError

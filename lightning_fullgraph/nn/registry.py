@@ -1,14 +1,15 @@
 """The conv adapter registry: which adapter a conv type has, and which convs it refuses, and why.
 
-Convs of any other ``MessagePassing`` type raise :class:`UnsupportedConvError` at setup,
-naming the type; :func:`register_conv_adapter` adds one and returns a
-:class:`torch.utils.hooks.RemovableHandle` that takes it away again.  It checks what it can
-at registration: ``"bipartite"`` needs a ``forward`` that takes an ``(x_src, x_dst)`` tuple as
-``x`` and a ``size=`` argument, and multi-hop convs (``ChebConv``, ``TAGConv``, ``SGConv``,
-``SSGConv``, ``APPNP``, ``ARMAConv``, ``GatedGraphConv``, ``MixHopConv``: one halo exchange per
-layer only makes their first hop exact) are refused for both kinds; a callable adapter is the
-user's own and is not checked.  :func:`check_installable` applies the same rules to a conv
-instance (at installation, :mod:`.patch`, and in the launcher's preflight).
+Convs of a ``MessagePassing`` type without an adapter (:func:`supported_convs` lists those with
+one) raise :class:`UnsupportedConvError` at setup, naming the type; :func:`register_conv_adapter`
+adds one and returns a :class:`torch.utils.hooks.RemovableHandle` that takes it away again.
+It checks what it can at registration: ``"bipartite"`` needs a ``forward`` that takes an
+``(x_src, x_dst)`` tuple as ``x`` and a ``size=`` argument, and multi-hop convs (``ChebConv``,
+``TAGConv``, ``SGConv``, ``SSGConv``, ``APPNP``, ``ARMAConv``, ``GatedGraphConv``,
+``MixHopConv``: one halo exchange per layer only makes their first hop exact) are refused for
+both kinds; a callable adapter is the user's own and is not checked.  :func:`check_installable`
+applies the same rules to a conv instance (at installation, :mod:`.patch`, and in the
+launcher's preflight).
 """
 
 from __future__ import annotations
