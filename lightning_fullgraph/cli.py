@@ -414,7 +414,7 @@ class FullGraphCLI(LightningCLI):
 
     def _launch_fix(self, err: BaseException) -> str:
         """The flags to change for an error the launcher's checks found."""
-        from lightning_fullgraph.nn.adapters import UnsupportedConvError
+        from lightning_fullgraph.nn.errors import UnsupportedConvError
 
         message = str(err)
         trainer = getattr(self, "trainer", None)

@@ -107,14 +107,14 @@ def require_datamodule(datamodule: object) -> FullGraphDataModule:
 
 def check_convs(module: torch.nn.Module) -> None:
     """Checks that every ``MessagePassing`` submodule of ``module`` has a partition adapter
-    that can run it, as the strategy's setup does (:func:`~lightning_fullgraph.nn.adapters.install_adapters`).
+    that can run it, as the strategy's setup does (:func:`~lightning_fullgraph.nn.patch.install_adapters`).
 
     Raises:
         UnsupportedConvError: for the first conv without one, with setup's message (the
             supported convs, and how to register an adapter where that is possible).
     """
     # The same check as installation (one implementation, one message); nothing is patched.
-    from lightning_fullgraph.nn.adapters import check_installable
+    from lightning_fullgraph.nn.registry import check_installable
 
     for conv in module.modules():
         if isinstance(conv, MessagePassing):

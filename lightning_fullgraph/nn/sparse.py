@@ -36,6 +36,7 @@ __all__ = [
     "SplitBlocks",
     "csr_adjacency",
     "csr_mm",
+    "csr_tensor",
     "csr_transpose",
     "mean_operator",
     "spmm",
@@ -51,7 +52,9 @@ def _index_dtype(num_dst: int, num_src: int, nnz: int) -> torch.dtype:
     return torch.int32 if max(num_dst, num_src, nnz) < 2**31 - 1 else torch.int64
 
 
-def _csr(crow: Tensor, col: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:
+def csr_tensor(crow: Tensor, col: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:
+    """A ``[D, S]`` (``shape``) ``torch.sparse_csr`` tensor of these parts, unchecked, without
+    torch's once-per-process "beta" warning."""
     with warnings.catch_warnings():
         # torch says once per process that CSR support is "beta"; it is what PyG uses.
         warnings.filterwarnings("ignore", message=".*Sparse CSR tensor support is in beta.*")
@@ -90,7 +93,7 @@ def csr_adjacency(edge_index: Tensor, values: Tensor | None, num_dst: int, num_s
         vals = torch.ones(nnz, dtype=dtype, device=src.device)
     else:
         vals = values.detach()[perm].to(dtype)
-    return _csr(crow, col, vals, (num_dst, num_src))
+    return csr_tensor(crow, col, vals, (num_dst, num_src))
 
 
 def csr_transpose(adj: Tensor) -> Tensor:
@@ -112,7 +115,7 @@ def csr_transpose(adj: Tensor) -> Tensor:
     row = torch.repeat_interleave(rows, (crow[1:] - crow[:-1]).to(torch.int64), output_size=nnz)
     new_col = row[perm]
     del row
-    return _csr(new_crow, new_col, val[perm], (n, d))
+    return csr_tensor(new_crow, new_col, val[perm], (n, d))
 
 
 def mean_operator(adj: Tensor) -> Tensor:
@@ -123,7 +126,7 @@ def mean_operator(adj: Tensor) -> Tensor:
     counts = (crow[1:] - crow[:-1]).to(torch.int64)
     count = counts.clamp(min=1).to(adj.dtype)
     per_entry = torch.repeat_interleave(count, counts, output_size=adj.values().numel())
-    return _csr(crow, adj.col_indices(), adj.values() / per_entry, adj.shape)
+    return csr_tensor(crow, adj.col_indices(), adj.values() / per_entry, adj.shape)
 
 
 class _SpMM(torch.autograd.Function):

@@ -122,7 +122,8 @@ def test_unsupported_conv_is_named(tmp_path) -> None:
 
 def test_unsupported_conv_error_is_a_type_error() -> None:
     from lightning_fullgraph.comm.exchange import HaloExchanger
-    from lightning_fullgraph.nn.adapters import HaloContext, install_adapters
+    from lightning_fullgraph.nn.context import HaloContext
+    from lightning_fullgraph.nn.patch import install_adapters
     from lightning_fullgraph.partition.plan import build_local_partitions
 
     data = directed_graph()

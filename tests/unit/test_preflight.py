@@ -17,7 +17,7 @@ from torch_geometric.nn import ChebConv, GCNConv, MessagePassing
 
 from lightning_fullgraph import FullGraphDataModule, FullGraphStrategy, UnsupportedConvError
 from lightning_fullgraph.launch import report
-from lightning_fullgraph.nn.adapters import install_adapters
+from lightning_fullgraph.nn.patch import install_adapters
 from lightning_fullgraph.preflight import (
     check_before_launch,
     check_convs,

@@ -17,7 +17,8 @@ import torch
 from torch import Tensor, nn
 from torch_geometric.nn import GCNConv, GINConv, GraphConv, SAGEConv
 
-from lightning_fullgraph.nn.adapters import HaloContext, install_adapters
+from lightning_fullgraph.nn.context import HaloContext
+from lightning_fullgraph.nn.patch import install_adapters
 from lightning_fullgraph.nn.sparse import csr_adjacency
 
 NUM_OWNED, NUM_HALO, NUM_EDGES = 600, 400, 12_000
