@@ -70,7 +70,8 @@ from torch import Tensor
 from torch_geometric.data import Data
 
 from lightning_fullgraph._os import max_rss_mib, pid_alive, pid_namespace, proc_start, try_flock
-from lightning_fullgraph.partition.plan import LocalPartition, PartitionPlanner
+from lightning_fullgraph.comm.plan import LocalPartition
+from lightning_fullgraph.partition.planner import PartitionPlanner
 
 __all__ = [
     "FORMAT_VERSION",
@@ -88,7 +89,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# 2: owned nodes and each owner's halo in locality order (partition/plan.py), not ascending
+# 2: owned nodes and each owner's halo in locality order (partition/planner.py), not ascending
 # global id; a version-1 folder is rebuilt, never read with the other layout.
 # 3: the locality order numbers owned nodes by recursive-bisection blocks, not reverse
 # Cuthill-McKee; a version-2 folder holds the same rows in another order and is rebuilt.
@@ -162,7 +163,7 @@ class PartitionResult:
         peak_rss_mib: The process's resident-set high-water mark (:func:`max_rss_mib`, MiB)
             at the end of each phase of ``timings``: the phase where it jumps set the peak.
         forked_peak_mib: Where the planner numbered parts in forked children
-            (:class:`~lightning_fullgraph.partition.plan.PartitionPlanner`'s
+            (:class:`~lightning_fullgraph.partition.planner.PartitionPlanner`'s
             ``order_workers``), an upper bound on this process and those children together
             (MiB): this process's high-water mark after the planner plus the private peaks of
             as many of the largest children as ran at once; 0 where none was forked.
@@ -953,7 +954,7 @@ def ensure_partitions(
     same cache (see the module docstring): all of them end up with the same, complete folder.
 
     Memory: the parts are built and written one at a time
-    (:class:`~lightning_fullgraph.partition.plan.PartitionPlanner`), so beyond the graph and
+    (:class:`~lightning_fullgraph.partition.planner.PartitionPlanner`), so beyond the graph and
     METIS' own needs only one part's local graph and ``O(E)`` bytes of bookkeeping are held.
 
     Args:

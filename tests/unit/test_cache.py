@@ -463,7 +463,7 @@ def test_reported_peak_covers_the_forked_orderings(tmp_path, monkeypatch) -> Non
     writes 128 MiB before ordering, two run at once, so the bound is at least this process's
     peak before planning plus 256 MiB.  Negative control: without the children's private
     peaks the bound is this process's mark alone and the assertion fails."""
-    from lightning_fullgraph.partition import plan as plan_module
+    from lightning_fullgraph.partition import planner as plan_module
 
     real = plan_module.locality_order
 
@@ -488,7 +488,7 @@ def test_a_part_is_written_while_the_next_one_is_built(tmp_path, monkeypatch) ->
     parts, in rank order.  Building and saving are each slowed to 0.3 s and their intervals
     recorded.  Negative controls: saving in the loop's own thread fails the overlap check;
     submitting a write without waiting for the previous one fails the ordering check."""
-    from lightning_fullgraph.partition.plan import PartitionPlanner
+    from lightning_fullgraph.partition.planner import PartitionPlanner
 
     data = directed_graph(num_nodes=300, num_edges=1500, seed=5)
     planner = PartitionPlanner(data, torch.arange(300) % 4, 4)
