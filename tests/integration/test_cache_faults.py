@@ -1,5 +1,8 @@
-"""The partition cache under real faults: concurrent writers, a full or read-only file system, a
-writer killed mid-write.  Real processes (fork) and real file systems (tmpfs mounts)."""
+"""The partition cache under real faults: concurrent writers, a full or read-only disk, a killed writer.
+
+Concurrent writers, a full or read-only file system, a writer killed mid-write: real processes
+(fork) and real file systems (tmpfs mounts).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
-"""Partition cache writing (cache/writers.py, cache/store.py): stale temporaries, the lock, write
-errors, publishing, a part written while the next one is built."""
+"""Partition cache writing (cache/writers.py, cache/store.py): lock, temporaries, write errors, publish.
+
+Stale temporaries, the lock's timeout, write errors, publishing next to a valid or invalid
+folder, a part written while the next one is built.
+"""
 
 from __future__ import annotations
 
