@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from lightning_fullgraph.generated import products_like_graph
     from lightning_fullgraph.nn.sparse import csr_adjacency, csr_mm, csr_transpose
     from lightning_fullgraph.partition.partitioner import partition_graph
-    from lightning_fullgraph.partition.plan import NODE_ORDERS, PartitionPlanner
+    from lightning_fullgraph.partition.planner import NODE_ORDERS, PartitionPlanner
 
     torch.set_num_threads(1)
     t = time.perf_counter()

@@ -3,7 +3,7 @@
 ``prepare_data`` (one process per node) loads the global graph, partitions it and writes
 the partition folder, unless a valid one is cached.  ``setup`` (every rank) reads only the
 manifest and that rank's part file.  Every dataloader yields one batch per epoch: the
-rank's local graph as a PyG ``Data`` (see :class:`~lightning_fullgraph.partition.plan.LocalPartition`).
+rank's local graph as a PyG ``Data`` (see :class:`~lightning_fullgraph.comm.plan.LocalPartition`).
 
 Multi-split node masks (``[N, S]``, as tolokers, Actor, WikiCS and the LINKX sets ship
 them) never reach training: the datamodule keeps column ``split`` of every such mask
@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from torch_geometric.data import Data
 
+from lightning_fullgraph.comm.plan import LocalPartition
 from lightning_fullgraph.partition.cache import (
     PartitionCacheError,
     PartitionResult,
@@ -36,7 +37,6 @@ from lightning_fullgraph.partition.cache import (
     read_manifest,
 )
 from lightning_fullgraph.partition.partitioner import BALANCE_MODES, PARTITION_METHODS
-from lightning_fullgraph.partition.plan import LocalPartition
 from lightning_fullgraph.preflight import check_num_parts
 from lightning_fullgraph.validation import MASK_KEYS, GraphValidationError, mask_dtype_problem, validate_graph
 

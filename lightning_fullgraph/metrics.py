@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from lightning_fullgraph.partition.plan import DIRECTIONS
+from lightning_fullgraph.comm.plan import DIRECTIONS
 
 __all__ = ["CommMetricsLogger", "CommTotals"]
 

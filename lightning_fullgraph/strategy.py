@@ -62,7 +62,7 @@ from lightning_fullgraph.training import (
 from lightning_fullgraph.validation import all_finite
 
 if TYPE_CHECKING:
-    from lightning_fullgraph.partition.plan import LocalPartition
+    from lightning_fullgraph.comm.plan import LocalPartition
 
 __all__ = ["FullGraphStrategy", "MODES"]
 

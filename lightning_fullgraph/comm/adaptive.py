@@ -74,8 +74,8 @@ from lightning_fullgraph.comm.assign import (
     group_nodes,
     range_coefficients,
 )
+from lightning_fullgraph.comm.plan import DIRECTIONS
 from lightning_fullgraph.comm.quantize import ADAPTIVE_BITS, META_NBYTES
-from lightning_fullgraph.partition.plan import DIRECTIONS
 
 __all__ = [
     "ControlFn",

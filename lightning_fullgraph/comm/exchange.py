@@ -36,10 +36,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_fullgraph.comm.plan import HaloPlan
 from lightning_fullgraph.comm.policy import CompressionPolicy, ExactPolicy
 from lightning_fullgraph.comm.staleness import block_rows
 from lightning_fullgraph.comm.transport import CommStats, HaloTransport
-from lightning_fullgraph.partition.plan import HaloPlan
 
 __all__ = ["HaloExchanger"]
 

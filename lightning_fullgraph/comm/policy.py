@@ -46,10 +46,10 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
+from lightning_fullgraph.comm.plan import DIRECTIONS, HaloPlan
 from lightning_fullgraph.comm.quantize import ADAPTIVE_BITS, SUPPORTED_BITS
 from lightning_fullgraph.comm.staleness import StalenessState
 from lightning_fullgraph.comm.sylvie_rules import DivergenceGuard, LossRateAdaptor
-from lightning_fullgraph.partition.plan import DIRECTIONS, HaloPlan
 
 __all__ = [
     "ADAPTIVE_BIT_CHOICES",

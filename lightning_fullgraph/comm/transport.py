@@ -33,8 +33,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_fullgraph.comm.codec import ReceivedRows, decode_rows, encode_rows, message_nbytes
+from lightning_fullgraph.comm.plan import HaloPlan
 from lightning_fullgraph.comm.quantize import META_NBYTES
-from lightning_fullgraph.partition.plan import HaloPlan
 
 __all__ = ["KINDS", "CommStats", "HaloTransport"]
 

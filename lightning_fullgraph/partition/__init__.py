@@ -1,5 +1,10 @@
-"""Graph partitioning, the per-rank partition plan and the on-disk partition cache."""
+"""Offline partitioning: the node -> rank assignment, the planner and the on-disk cache.
 
+``HaloPlan`` and ``LocalPartition`` (the runtime contract) are re-exported from
+:mod:`lightning_fullgraph.comm.plan`.
+"""
+
+from lightning_fullgraph.comm.plan import HaloPlan, LocalPartition
 from lightning_fullgraph.partition.cache import (
     PartitionCacheError,
     PartitionCacheWriteError,
@@ -14,7 +19,7 @@ from lightning_fullgraph.partition.partitioner import (
     partition_graph,
     partition_stats,
 )
-from lightning_fullgraph.partition.plan import HaloPlan, LocalPartition, build_local_partitions
+from lightning_fullgraph.partition.planner import build_local_partitions
 
 __all__ = [
     "BALANCE_MODES",

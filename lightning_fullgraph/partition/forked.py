@@ -1,6 +1,6 @@
 """A function call run in a forked child process, its int64 result returned through shared memory.
 
-The planner numbers every part with one METIS call (:func:`~lightning_fullgraph.partition.plan.
+The planner numbers every part with one METIS call (:func:`~lightning_fullgraph.partition.planner.
 locality_order`), the largest share of planning a big graph.  ``pymetis`` holds the GIL for
 the whole call, and the METIS it ships draws its random numbers from the C library's
 process-wide ``rand()`` state, so even a GIL-free call could not run in two threads and stay

@@ -19,7 +19,7 @@ from lightning_fullgraph.comm.adaptive import (
 )
 from lightning_fullgraph.comm.assign import LinkCost
 from lightning_fullgraph.partition.partitioner import partition_graph
-from lightning_fullgraph.partition.plan import build_local_partitions
+from lightning_fullgraph.partition.planner import build_local_partitions
 from tests.helpers import directed_graph, run_ranks
 
 

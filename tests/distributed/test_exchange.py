@@ -9,7 +9,7 @@ import torch.distributed as dist
 from lightning_fullgraph.comm.exchange import HaloExchanger
 from lightning_fullgraph.comm.policy import AdaQPPolicy, PolicyEnv
 from lightning_fullgraph.partition.partitioner import partition_graph
-from lightning_fullgraph.partition.plan import build_local_partitions
+from lightning_fullgraph.partition.planner import build_local_partitions
 from tests.helpers import directed_graph, run_ranks
 
 

@@ -124,7 +124,7 @@ def test_unsupported_conv_error_is_a_type_error() -> None:
     from lightning_fullgraph.comm.exchange import HaloExchanger
     from lightning_fullgraph.nn.context import HaloContext
     from lightning_fullgraph.nn.patch import install_adapters
-    from lightning_fullgraph.partition.plan import build_local_partitions
+    from lightning_fullgraph.partition.planner import build_local_partitions
 
     data = directed_graph()
     part = build_local_partitions(data, torch.zeros(data.num_nodes, dtype=torch.long), 1)[0]

@@ -64,8 +64,8 @@ from torch_geometric.nn import GCNConv, GINConv, GraphConv, SAGEConv
 from torch_geometric.utils import add_remaining_self_loops, scatter
 
 from lightning_fullgraph import FullGraphDataModule
+from lightning_fullgraph.comm.plan import LocalPartition
 from lightning_fullgraph.partition.cache import load_part
-from lightning_fullgraph.partition.plan import LocalPartition
 from tests.helpers import (
     PIPELINED,
     NodeClassifier,

@@ -1,5 +1,8 @@
-"""The partition cache under real faults: concurrent writers, a full or read-only file system, a
-writer killed mid-write.  Real processes (fork) and real file systems (tmpfs mounts)."""
+"""The partition cache under real faults: concurrent writers, a full or read-only disk, a killed writer.
+
+Concurrent writers, a full or read-only file system, a writer killed mid-write: real processes
+(fork) and real file systems (tmpfs mounts).
+"""
 
 from __future__ import annotations
 
@@ -21,7 +24,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_fullgraph.partition import cache as cache_mod
 from lightning_fullgraph.partition.cache import (
     PartitionCacheError,
     PartitionCacheWriteError,
@@ -29,6 +31,8 @@ from lightning_fullgraph.partition.cache import (
     graph_fingerprint,
     load_part,
     partition_folder_name,
+    store,
+    writers,
 )
 from tests.conftest import REPO
 from tests.helpers import directed_graph
@@ -129,7 +133,7 @@ def test_concurrent_jobs_are_correct_without_the_lock(tmp_path, monkeypatch) -> 
     Negative control: with ``_publish`` replaced by the old delete-then-replace, 9 of 24 calls
     failed ("Directory not empty", missing files); with a ``_publish`` that adopts an existing
     folder without checking it, 12 of 24 used the stale folder (format version 0)."""
-    monkeypatch.setattr(cache_mod, "try_flock", lambda fd: None)
+    monkeypatch.setattr(writers, "try_flock", lambda fd: None)
     root = tmp_path / "cache"
     data = _race_graph()
     folder = root / partition_folder_name(graph_fingerprint(data), "metis", NUM_PARTS, 0, "edges")
@@ -161,7 +165,7 @@ def test_killed_writer_leaves_a_temporary_folder_the_next_run_removes(tmp_path) 
     ctx = multiprocessing.get_context("fork")
 
     def killed_writer() -> None:
-        original = cache_mod._save_part
+        original = store._save_part
         calls = []
 
         def save_then_die(state, path):
@@ -170,7 +174,7 @@ def test_killed_writer_leaves_a_temporary_folder_the_next_run_removes(tmp_path) 
             calls.append(path)
             original(state, path)
 
-        cache_mod._save_part = save_then_die
+        store._save_part = save_then_die
         ensure_partitions(data, NUM_PARTS, cache_root=root)
 
     child = ctx.Process(target=killed_writer)
@@ -251,7 +255,7 @@ def test_full_disk_names_the_path_and_the_space_and_cleans_up(tmp_path, request,
     iostream error`` / ``[enforce fail at inline_container.cc] unexpected pos`` naming no path;
     it did remove its temporary folder on this in-process error."""
     if writer == "torch path writer":
-        monkeypatch.setattr(cache_mod, "_save_part", _path_torch_save)
+        monkeypatch.setattr(store, "_save_part", _path_torch_save)
     data = directed_graph(num_nodes=4000, num_edges=20000, num_features=16)  # x alone is 256 KB
     with _mounted_or_rerun(request, tmp_path / "small", "256k") as mnt:
         if mnt is None:

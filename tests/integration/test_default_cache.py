@@ -120,7 +120,7 @@ def test_an_unwritable_home_falls_back_to_a_hyphenated_temporary_folder(
     path assert fails."""
     import tempfile
 
-    from lightning_fullgraph.partition import cache as cache_mod
+    from lightning_fullgraph.partition.cache import roots as cache_mod
 
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")

@@ -71,7 +71,7 @@ def test_calls_are_forked_on_linux_only(monkeypatch) -> None:
     """macOS offers ``fork`` but forking a threaded process is unsafe there and ``/proc`` is
     missing, so the planner numbers parts in its own process.  Negative control: without the
     platform check ``can_fork`` is true on "darwin" and the planner would fork."""
-    from lightning_fullgraph.partition.plan import _order_workers
+    from lightning_fullgraph.partition.planner import _order_workers
 
     assert can_fork() and _order_workers(4, 4, "locality") == 4
     monkeypatch.setattr("sys.platform", "darwin")

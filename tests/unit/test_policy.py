@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_fullgraph import FullGraphStrategy
+from lightning_fullgraph.comm.plan import HaloPlan
 from lightning_fullgraph.comm.policy import (
     AdaQPPolicy,
     ExactPolicy,
@@ -15,7 +16,6 @@ from lightning_fullgraph.comm.policy import (
     SylviePolicy,
     make_policy,
 )
-from lightning_fullgraph.partition.plan import HaloPlan
 
 
 def _plan(num_send: int = 5, num_halo: int = 3) -> HaloPlan:

@@ -8,9 +8,9 @@ import weakref
 import pytest
 import torch
 
+from lightning_fullgraph.comm.plan import HaloPlan
 from lightning_fullgraph.comm.quantize import META_NBYTES
 from lightning_fullgraph.comm.transport import HaloTransport
-from lightning_fullgraph.partition.plan import HaloPlan
 
 
 def _plan() -> HaloPlan:
