@@ -30,7 +30,7 @@ from torch import Tensor
 from lightning_fullgraph.validation import all_finite
 
 if TYPE_CHECKING:
-    from lightning_fullgraph.comm.policy import CompressionPolicy
+    from lightning_fullgraph.comm.policies.base import CompressionPolicy
     from lightning_fullgraph.partition.plan import LocalPartition
 
 __all__ = [

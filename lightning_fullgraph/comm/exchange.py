@@ -14,11 +14,11 @@ This is the adjoint of the forward gather, so it is exact for directed graphs (n
 is assumed) and for ranks that own no training node (they still send zero gradients).
 
 :class:`HaloExchanger` numbers the message-passing layers of a training step by call order,
-asks its :class:`~lightning_fullgraph.comm.policy.CompressionPolicy` for the bit-widths of each
+asks its :class:`~lightning_fullgraph.comm.policies.base.CompressionPolicy` for the bit-widths of each
 message (forward and backward separately) and hands them to the
 :class:`~lightning_fullgraph.comm.transport.HaloTransport`; under a pipelined policy
 (Sylvie) asynchronous epochs go through :class:`_StaleFn` and the buffers of
-:mod:`~lightning_fullgraph.comm.staleness`.  Outside training steps every exchange is fp32
+:mod:`~lightning_fullgraph.comm.policies.sylvie.pipeline`.  Outside training steps every exchange is fp32
 and synchronous.
 
 Halo traffic runs on its own process group so it never interleaves with the gradient
@@ -36,8 +36,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fullgraph.comm.policy import CompressionPolicy, ExactPolicy
-from lightning_fullgraph.comm.staleness import block_rows
+from lightning_fullgraph.comm.policies.base import CompressionPolicy
+from lightning_fullgraph.comm.policies.exact import ExactPolicy
+from lightning_fullgraph.comm.policies.sylvie.pipeline import block_rows
 from lightning_fullgraph.comm.transport import CommStats, HaloTransport
 from lightning_fullgraph.partition.plan import HaloPlan
 
@@ -52,7 +53,7 @@ class HaloExchanger:
         group: Process group for halo traffic (``None``: the default group).  With a world
             size of 1 no collective is issued at all.
         policy: Decides the bit-widths (and, for Sylvie, the schedule) of training messages;
-            default :class:`~lightning_fullgraph.comm.policy.ExactPolicy` (fp32).
+            default :class:`~lightning_fullgraph.comm.policies.exact.ExactPolicy` (fp32).
     """
 
     def __init__(self, plan: HaloPlan, group: Any = None, policy: CompressionPolicy | None = None) -> None:
@@ -379,7 +380,7 @@ class _WaitFn(torch.autograd.Function):
 
 
 class _StaleFn(torch.autograd.Function):
-    """Asynchronous epoch of one layer (see :mod:`~lightning_fullgraph.comm.staleness`):
+    """Asynchronous epoch of one layer (see :mod:`~lightning_fullgraph.comm.policies.sylvie.pipeline`):
     consume the halo rows received during the previous epoch and, unless the policy says the
     next epoch will not use them, send this epoch's; in backward add the gradients received
     during the previous epoch and likewise send this epoch's."""

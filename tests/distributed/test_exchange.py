@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_fullgraph.comm.exchange import HaloExchanger
-from lightning_fullgraph.comm.policy import AdaQPPolicy, PolicyEnv
+from lightning_fullgraph.comm.policies import AdaQPPolicy, PolicyEnv
 from lightning_fullgraph.partition.partitioner import partition_graph
 from lightning_fullgraph.partition.plan import build_local_partitions
 from tests.helpers import directed_graph, run_ranks

@@ -1,6 +1,6 @@
 r"""Bounded-staleness pipeline buffers (Sylvie's asynchronous mode, after PipeGCN).
 
-The schedule (decided by :class:`~lightning_fullgraph.comm.policy.SylviePolicy`): epoch
+The schedule (decided by :class:`~lightning_fullgraph.comm.policies.sylvie.policy.SylviePolicy`): epoch
 :math:`t` is *synchronous* when :math:`t \bmod \varepsilon = 0` (epoch 0 included) or when the
 epoch-adaptive rule asked for it; otherwise it is *asynchronous*.  Per layer :math:`l`, rank
 :math:`r` and owner :math:`q`:
