@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_fullgraph.comm.messages import Message, send_encoded, send_rows
 from lightning_fullgraph.comm.policies.base import CompressionPolicy
 from lightning_fullgraph.comm.policies.exact import ExactPolicy
 from lightning_fullgraph.comm.policies.sylvie.pipeline import block_rows
@@ -105,33 +106,24 @@ class HaloExchanger:
         return any(r() is x for r in self._static_refs)
 
     # -- sending --------------------------------------------------------------------------
-    def launch(
-        self, rows: Tensor, layer: int | None, direction: str, kind: str = "message"
-    ) -> Callable[[], Tensor]:
+    def launch(self, rows: Tensor, layer: int | None, direction: str, kind: str = "message") -> Message:
         """Starts one message: ``rows`` are the sent rows (forward: ``[S, F]`` in send order;
-        backward: ``[H, F]`` gradients in halo order).  Returns the closure that waits."""
-        plan = self.plan
-        counts = plan.counts(direction)
+        backward: ``[H, F]`` gradients in halo order).  Inside a training step a layer's
+        message travels at the bit-widths its policy gives (encoded around the transport, the
+        rows' ranges handed back to the policy); otherwise as it is.  Returns the message in
+        flight: ``wait()`` gives the received rows, ``received()`` them as they arrived."""
+        counts = self.plan.counts(direction)
         bits = None
-        on_range = None
         if self.training and layer is not None:
             bits = self.policy.message_bits(layer, direction)
-            if bits is not None:
-                policy, dim = self.policy, rows.size(1)
-
-                def on_range(rng: Tensor) -> None:
-                    policy.observe(layer, direction, rng, dim)
-
-        return self.transport.start(
-            rows,
-            *counts,
-            bits=bits,
-            generator=self.policy.generator,
-            kind=kind,
-            layer=layer,
-            direction=direction,
-            on_range=on_range,
+        if bits is None:
+            return send_rows(self.transport, rows, *counts, kind=kind, layer=layer, direction=direction)
+        message, row_range = send_encoded(
+            self.transport, rows, *counts, bits,
+            generator=self.policy.generator, kind=kind, layer=layer, direction=direction,
         )
+        self.policy.observe(layer, direction, row_range, rows.size(1))
+        return message
 
     def _check_rows(self, x: Tensor) -> None:
         if x.size(0) != self.plan.num_owned:
@@ -143,11 +135,11 @@ class HaloExchanger:
         """Halo rows of ``x`` (no autograd): ``[N_r, *] -> [H_r, *]``; quantized when inside a
         training step the policy says so for ``layer``."""
         self._check_rows(x)
-        return self.launch(x.detach().index_select(0, self.plan.send_index), layer, "forward", kind)()
+        return self.launch(x.detach().index_select(0, self.plan.send_index), layer, "forward", kind).wait()
 
     def push_back(self, grad_halo: Tensor, layer: int | None = None) -> Tensor:
         """Sends halo-row gradients home and sums them at the owners: ``[H_r, *] -> [N_r, *]``."""
-        return self._add_home(self.launch(grad_halo.contiguous(), layer, "backward")())
+        return self._add_home(self.launch(grad_halo.contiguous(), layer, "backward").wait())
 
     def _add_home(self, recv: Tensor, owned: Tensor | None = None) -> Tensor:
         """``[S, *]`` received gradient rows summed at their owners, ``[N_r, *]``; added to
@@ -200,8 +192,8 @@ class HaloExchanger:
         self._check_rows(x)
         self.stats.forward_exchanges += 1
         if not grad:
-            finish = self.launch(x.index_select(0, self.plan.send_index), layer, "forward")
-            return _Pending(finish)
+            message = self.launch(x.index_select(0, self.plan.send_index), layer, "forward")
+            return _Pending(message.wait)
         state: dict[str, Any] = {}
         token = _StartFn.apply(x, self, layer, state)
         return _Pending(lambda: _WaitFn.apply(token, self, layer, state))
@@ -302,9 +294,7 @@ class _HaloExchangeFn(torch.autograd.Function):
             return _append(x, exchanger.fetch(x, layer), full)
         exchanger._check_rows(x)
         # kept as received (encoded when compressed) for the asynchronous epochs that follow
-        block = _kept(
-            exchanger.launch(x.detach().index_select(0, exchanger.plan.send_index), layer, "forward")
-        )()
+        block = exchanger.launch(x.detach().index_select(0, exchanger.plan.send_index), layer, "forward").received()
         rows = block_rows(block)
         pipe = pipeline.layer(layer)
         # (float rows are this function's output: keep a detached alias, not the graph's node)
@@ -319,18 +309,13 @@ class _HaloExchangeFn(torch.autograd.Function):
         exchanger: HaloExchanger = ctx.exchanger
         exchanger.stats.backward_exchanges += 1
         grad_halo, owned = _split_grad(ctx, grad)
-        finish = exchanger.launch(grad_halo.contiguous(), ctx.layer, "backward")
+        message = exchanger.launch(grad_halo.contiguous(), ctx.layer, "backward")
         if ctx.pipeline is None:
-            return exchanger._add_home(finish(), owned), None, None, None, None
-        block = _kept(finish)()
+            return exchanger._add_home(message.wait(), owned), None, None, None, None
+        block = message.received()
         st = ctx.pipeline
         st.receive_grad(st.layer(ctx.layer), block, st.epoch, synchronous=True)
         return exchanger._add_home(block_rows(block), owned), None, None, None, None
-
-
-def _kept(finish: Any) -> Any:
-    """The waiting closure that returns a message as received (encoded when compressed)."""
-    return getattr(finish, "received", finish)
 
 
 class _Pending:
@@ -352,14 +337,14 @@ class _StartFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, exchanger: HaloExchanger, layer: int | None, state: dict) -> Tensor:
         rows = x.detach().index_select(0, exchanger.plan.send_index)
-        state["finish"] = exchanger.launch(rows, layer, "forward")
+        state["message"] = exchanger.launch(rows, layer, "forward")
         ctx.exchanger, ctx.state = exchanger, state
         return x.new_empty(0)
 
     @staticmethod
     def backward(ctx: Any, _grad_token: Tensor) -> tuple[Tensor, None, None, None]:
         exchanger: HaloExchanger = ctx.exchanger
-        return exchanger._add_home(ctx.state.pop("finish_back")()), None, None, None
+        return exchanger._add_home(ctx.state.pop("message_back").wait()), None, None, None
 
 
 class _WaitFn(torch.autograd.Function):
@@ -369,13 +354,13 @@ class _WaitFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, token: Tensor, exchanger: HaloExchanger, layer: int | None, state: dict) -> Tensor:
         ctx.exchanger, ctx.layer, ctx.state = exchanger, layer, state
-        return state.pop("finish")()
+        return state.pop("message").wait()
 
     @staticmethod
     def backward(ctx: Any, grad_halo: Tensor) -> tuple[Tensor, None, None, None]:
         exchanger: HaloExchanger = ctx.exchanger
         exchanger.stats.backward_exchanges += 1
-        ctx.state["finish_back"] = exchanger.launch(grad_halo.contiguous(), ctx.layer, "backward")
+        ctx.state["message_back"] = exchanger.launch(grad_halo.contiguous(), ctx.layer, "backward")
         return grad_halo.new_empty(0), None, None, None
 
 
@@ -398,9 +383,9 @@ class _StaleFn(torch.autograd.Function):
             st.receive_halo(pipe, exchanger.fetch(x, layer), st.epoch, synchronous=True)
         st.check_consumable(pipe, layer, "halo rows")
         if policy.launch:
-            pipe.fwd_pending = _kept(
-                exchanger.launch(x.detach().index_select(0, exchanger.plan.send_index), layer, "forward")
-            )
+            pipe.fwd_pending = exchanger.launch(
+                x.detach().index_select(0, exchanger.plan.send_index), layer, "forward"
+            ).received
             pipe.fwd_epoch = st.epoch
         st.record_age(layer, st.epoch - pipe.halo_epoch)
         ctx.exchanger, ctx.layer = exchanger, layer
@@ -429,7 +414,7 @@ class _StaleFn(torch.autograd.Function):
             st.check_consumable(pipe, ctx.layer, "gradients")
         exchanger.stats.backward_exchanges += 1
         if policy.launch:
-            pipe.grad_pending = _kept(exchanger.launch(grad_halo.contiguous(), ctx.layer, "backward"))
+            pipe.grad_pending = exchanger.launch(grad_halo.contiguous(), ctx.layer, "backward").received
             pipe.grad_pending_epoch = st.epoch
         if stale is not None:
             return exchanger._add_home(stale.to(grad_halo.dtype), owned), None, None, None
