@@ -8,8 +8,12 @@ numbers, no process group); and its per-epoch decisions:
 * :meth:`~CompressionPolicy.message_bits` -- the bit-widths of one layer's messages in one
   direction (``None``: fp32), which the exchanger encodes with
   (:mod:`~lightning_fullgraph.comm.codec` around :mod:`~lightning_fullgraph.comm.transport`);
-* ``synchronous`` / ``launch`` -- for a pipelined policy, whether this epoch exchanges fresh
-  rows, and whether it sends rows for the next epoch.
+* :meth:`~CompressionPolicy.exchange_halo` / :meth:`~CompressionPolicy.start_halo` -- the
+  halo path of a training layer's differentiable exchange (:mod:`~lightning_fullgraph.comm.path`),
+  asked of every policy: the exchanger's synchronous / overlapped exchange by default, Sylvie's
+  pipeline for Sylvie;
+* ``synchronous`` -- whether this epoch exchanges fresh rows (always, but in a pipelined
+  policy's asynchronous epochs).
 
 The strategy calls the lifecycle hooks, identically on every rank:
 
@@ -50,7 +54,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from lightning_fullgraph.comm.policies.sylvie.pipeline import StalenessState
+from lightning_fullgraph.comm.path import Exchanger, Pending
 from lightning_fullgraph.comm.quantize import SUPPORTED_BITS
 from lightning_fullgraph.partition.plan import HaloPlan
 
@@ -97,15 +101,21 @@ class CompressionPolicy:
 
     def __init__(self) -> None:
         self.env: PolicyEnv | None = None
-        # decisions of the current epoch (read by the exchanger)
+        # decision of the current epoch: fresh rows (a pipelined policy's schedule changes it)
         self.synchronous = True
-        self.launch = False
 
     # -- what the exchanger asks ----------------------------------------------------------
-    @property
-    def pipeline(self) -> StalenessState | None:
-        """Sylvie's buffers (``None``: every exchange is synchronous)."""
-        return None
+    def exchange_halo(self, exchanger: Exchanger, x: Tensor, layer: int, full: bool = False) -> Tensor:
+        """The halo path of training layer ``layer`` whose input ``x`` (``[N_r, *]``) needs a
+        gradient: the halo rows ``[H_r, *]`` (``cat(x, halo)`` with ``full``), differentiable
+        in ``x``.  Default: the exchanger's synchronous exchange."""
+        return exchanger.exchange_synchronous(x, layer, full)
+
+    def start_halo(self, exchanger: Exchanger, x: Tensor, layer: int) -> Pending:
+        """The same halo rows in flight (``wait()`` gives them).  Default: the exchanger's
+        overlapped exchange (the transfers overlap what runs between start and wait, in
+        forward and in backward)."""
+        return exchanger.start_overlapped(x, layer)
 
     @property
     def generator(self) -> torch.Generator | None:
@@ -145,6 +155,11 @@ class CompressionPolicy:
     def epoch_figures(self) -> dict[str, float]:
         """Figures of the epoch that just ran, the same on every rank (logged as they are)."""
         return {}
+
+    def halo_ages(self) -> list[int] | None:
+        """Age in epochs of every halo block the epoch's layers consumed, or ``None`` for a
+        policy that keeps no blocks (every exchange fresh)."""
+        return None
 
     def summary(self, epochs_run: int) -> str | None:
         """A line for the end of fit on what the policy's controllers changed, or ``None``."""

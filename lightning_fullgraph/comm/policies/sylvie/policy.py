@@ -12,10 +12,12 @@ import math
 from typing import Any
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
 
+from lightning_fullgraph.comm.path import Exchanger, Pending
 from lightning_fullgraph.comm.policies.adaqp.policy import QuantizedPolicy
 from lightning_fullgraph.comm.policies.base import FIXED_BITS, PolicyEnv, check_bits
-from lightning_fullgraph.comm.policies.sylvie.pipeline import StalenessState
+from lightning_fullgraph.comm.policies.sylvie.pipeline import StalenessState, pipeline_halo
 from lightning_fullgraph.comm.policies.sylvie.rules import DivergenceGuard, LossRateAdaptor
 
 __all__ = ["SylviePolicy"]
@@ -93,6 +95,8 @@ class SylviePolicy(QuantizedPolicy):
             )
         super().__init__(bits, seed, assign_every, first_assign, lambda_, group_size, link_costs)
         self._state = StalenessState(staleness, smoothing, smooth)
+        # whether this epoch sends its rows for the next one (decided with ``synchronous``)
+        self.launch = False
         self.epoch_adaptive = bool(epoch_adaptive)
         self.adaptor = LossRateAdaptor(window=adaptive_window) if self.epoch_adaptive else None
         if not 0.0 < max_halo_share <= 1.0:
@@ -115,7 +119,18 @@ class SylviePolicy(QuantizedPolicy):
 
     @property
     def pipeline(self) -> StalenessState:
+        """The pipeline's buffers."""
         return self._state
+
+    def exchange_halo(self, exchanger: Exchanger, x: Tensor, layer: int, full: bool = False) -> Tensor:
+        """The pipeline's halo path (:func:`~lightning_fullgraph.comm.policies.sylvie.pipeline.
+        pipeline_halo`): this epoch's schedule decides synchronous or stale."""
+        return pipeline_halo(exchanger, self._state, self, x, layer, full)
+
+    def start_halo(self, exchanger: Exchanger, x: Tensor, layer: int) -> Pending:
+        # the pipeline already hides the transfer; no second overlap mechanism
+        halo = self.exchange_halo(exchanger, x, layer)
+        return Pending(lambda: halo)
 
     @property
     def needs_global_loss(self) -> bool:
@@ -203,12 +218,16 @@ class SylviePolicy(QuantizedPolicy):
     def epoch_figures(self) -> dict[str, float]:
         """``comm/staleness_max``, ``comm/staleness_mean`` (age in epochs of the halo blocks
         the epoch consumed) and ``comm/sync_epoch`` (1 if it exchanged fresh values)."""
-        ages = [age for _, _, age in self._state.ages]
+        ages = self.halo_ages()
         return {
             "comm/staleness_max": float(max(ages, default=0)),
             "comm/staleness_mean": sum(ages) / len(ages) if ages else 0.0,
             "comm/sync_epoch": float(self.synchronous),
         }
+
+    def halo_ages(self) -> list[int]:
+        """Age in epochs of every halo block this epoch's layers consumed (0: fresh)."""
+        return [age for _, _, age in self._state.ages]
 
     def summary(self, epochs_run: int) -> str | None:
         """One line on what the controllers did over ``epochs_run`` epochs, or ``None`` when
