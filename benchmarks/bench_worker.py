@@ -140,7 +140,7 @@ def _callback_class():
                 "bits": getattr(s, "bits", None),
                 "staleness": getattr(s, "staleness", None) if getattr(s, "mode", None) == "sylvie" else None,
                 "skip_transfers": getattr(ex, "skip_transfers", None),
-                "pipeline": ex is not None and ex.policy.pipeline is not None,
+                "pipeline": ex is not None and ex.policy.halo_ages() is not None,
             }
 
         # -- timestamps ----------------------------------------------------------------
@@ -206,9 +206,8 @@ def _callback_class():
                     bits_sent=int(sum(s.payload_bits.values())),
                     values_sent=int(sum(s.values.values())),
                 )
-                st = ex.policy.pipeline
-                if st is not None:
-                    ages = [a for _, _, a in st.ages]
+                ages = ex.policy.halo_ages()
+                if ages is not None:
                     rec["staleness_max"] = max(ages, default=0)
                     rec["staleness_mean"] = sum(ages) / len(ages) if ages else 0.0
                     rec["sync"] = bool(ex.policy.synchronous)

@@ -20,7 +20,7 @@ where the variants choose the cross-part rows :math:`\tilde X` and the cross-par
 * ``grads``: fresh rows, stale gradient.
 
 ``--eps k`` makes every k-th epoch synchronous (its rows and gradient are kept for the next
-epochs, as :mod:`lightning_fullgraph.comm.staleness` does); ``--warm k`` runs the first k epochs
+epochs, as :mod:`lightning_fullgraph.comm.policies.sylvie.pipeline` does); ``--warm k`` runs the first k epochs
 synchronous; ``--extrapolate`` replaces :math:`\tilde X, \tilde G` by the linear extrapolation
 :math:`2 v_{t-1} - v_{t-2}`; ``--guard tau`` applies the divergence guard's rule.
 

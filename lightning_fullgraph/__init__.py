@@ -10,13 +10,13 @@ registry, so that ``Trainer(strategy="fullgraph_quant")`` works.
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_fullgraph.comm.exchange import HaloExchanger
-from lightning_fullgraph.comm.plan import HaloPlan, LocalPartition
-from lightning_fullgraph.comm.policy import AdaQPPolicy, CompressionPolicy, ExactPolicy, SylviePolicy
+from lightning_fullgraph.comm.policies import MODES, AdaQPPolicy, CompressionPolicy, ExactPolicy, SylviePolicy
 from lightning_fullgraph.comm.transport import CommStats
 from lightning_fullgraph.datamodule import FullGraphDataModule
 from lightning_fullgraph.nn.errors import UnsupportedConvError
 from lightning_fullgraph.nn.registry import register_conv_adapter, supported_convs
-from lightning_fullgraph.strategy import MODES, FullGraphStrategy
+from lightning_fullgraph.comm.plan import HaloPlan, LocalPartition
+from lightning_fullgraph.strategy import FullGraphStrategy
 
 __version__ = "0.1.0"
 
@@ -40,19 +40,15 @@ __all__ = [
 
 
 def _register() -> None:
-    # Lightning resolves strategy names through its registry; only our own names are added:
-    # ``fullgraph_<mode>`` for every policy of the one mode table, and ``fullgraph_quant``
-    # (AdaQP unless mode= says otherwise).
-    from lightning_fullgraph.comm.policy import POLICIES
+    # Lightning resolves strategy names through its registry; only our own names are added,
+    # every one from the one mode table: ``fullgraph_<mode>`` for every mode, and the table's
+    # aliases (``fullgraph_quant``: AdaQP unless mode= says otherwise).
+    from lightning_fullgraph.comm.policies.modes import strategy_names
 
     prefix = "Full-graph training over graph partitions, "
-    entries = {
-        "fullgraph_quant": (prefix + "quantized halo messages (AdaQP unless mode= says otherwise)", "adaqp"),
-        **{f"fullgraph_{mode}": (prefix + cls.description, mode) for mode, cls in POLICIES.items()},
-    }
-    for name, (description, mode) in entries.items():
+    for name, (description, mode) in strategy_names().items():
         if name not in StrategyRegistry:
-            StrategyRegistry.register(name, FullGraphStrategy, description=description, mode=mode)
+            StrategyRegistry.register(name, FullGraphStrategy, description=prefix + description, mode=mode)
 
 
 _register()

@@ -380,7 +380,7 @@ class FullGraphCLI(LightningCLI):
         strategy = config.get("trainer.strategy") if config is not None else None
         if strategy is None or isinstance(strategy, str) or not strategy.get("class_path"):
             return None
-        from lightning_fullgraph.comm.policy import POLICIES, policy_settings
+        from lightning_fullgraph.comm.policies import POLICIES, policy_settings
         from lightning_fullgraph.strategy import FullGraphStrategy
 
         try:

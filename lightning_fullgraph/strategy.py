@@ -41,7 +41,8 @@ from typing_extensions import override
 
 from lightning_fullgraph._warnings import ScopedWarningFilter, leafspec_filter
 from lightning_fullgraph.comm.exchange import HaloExchanger
-from lightning_fullgraph.comm.policy import POLICIES, CompressionPolicy, PolicyEnv, make_policy
+from lightning_fullgraph.comm.policies import MODES, CompressionPolicy, PolicyEnv, make_policy
+from lightning_fullgraph.comm.policies.modes import overlap_by_default
 from lightning_fullgraph.metrics import CommMetricsLogger
 from lightning_fullgraph.nn.context import HaloContext
 from lightning_fullgraph.nn.patch import install_adapters, uninstall_adapters
@@ -64,13 +65,11 @@ from lightning_fullgraph.validation import all_finite
 if TYPE_CHECKING:
     from lightning_fullgraph.comm.plan import LocalPartition
 
-__all__ = ["FullGraphStrategy", "MODES"]
+__all__ = ["FullGraphStrategy"]
 
 log = logging.getLogger(__name__)
 
 
-#: The modes: one per policy of :data:`~lightning_fullgraph.comm.policy.POLICIES` (the one table).
-MODES: tuple[str, ...] = tuple(POLICIES)
 #: Key of the policies' state in a Lightning checkpoint.
 CHECKPOINT_KEY = "fullgraph_policy"
 #: Lightning's default ``log_every_n_steps`` (lowered to 1: one step per epoch here).
@@ -85,7 +84,7 @@ class FullGraphStrategy(DDPStrategy):
     """Distributed full-graph training with halo exchange between partitions.
 
     What the halo messages carry is decided by a compression policy
-    (:mod:`~lightning_fullgraph.comm.policy`), built from ``mode`` and the settings that apply
+    (:mod:`~lightning_fullgraph.comm.policies`), built from ``mode`` and the settings that apply
     to it, or passed in ready-made as ``policy``.
 
     Args:
@@ -96,7 +95,7 @@ class FullGraphStrategy(DDPStrategy):
             (``bits`` can raise it) over an asynchronous pipeline: layers consume the halo rows
             and gradients received one epoch earlier while this epoch's travel in the
             background; every ``staleness``-th epoch is synchronous.
-        policy: A ready :class:`~lightning_fullgraph.comm.policy.CompressionPolicy` (then
+        policy: A ready :class:`~lightning_fullgraph.comm.policies.base.CompressionPolicy` (then
             ``mode`` and the policy settings below must be left unset).
         bits: ``"adaptive"`` (adaqp default: 8 bits until epoch ``first_assign``, then AdaQP's
             MILP every ``assign_every`` epochs; with sylvie: the same assignment inside the
@@ -107,7 +106,7 @@ class FullGraphStrategy(DDPStrategy):
         smoothing: PipeGCN momentum ``gamma`` for stale values (sylvie; ``None``: off).
         smooth: ``"features"``, ``"gradients"`` or ``"both"`` (what smoothing applies to).
         epoch_adaptive: Sylvie's Bounded Staleness Adaptor on the global training loss's rate
-            of decrease per second (see :class:`~lightning_fullgraph.comm.policy.SylviePolicy`).
+            of decrease per second (see :class:`~lightning_fullgraph.comm.policies.sylvie.policy.SylviePolicy`).
         adaptive_window: Epochs of monotone slowdown / speed-up the adaptor waits for.
         guard: Sylvie's divergence guard (default 0.1): after an epoch on stale values, a
             global training loss above its best by more than ``guard`` times the larger of the
@@ -225,7 +224,7 @@ class FullGraphStrategy(DDPStrategy):
             timeout=timeout, start_method=start_method, process_group_backend=process_group_backend, **kwargs
         )
         self.policy: CompressionPolicy = policy
-        self.overlap = policy.overlap_by_default if overlap is None else bool(overlap)
+        self.overlap = overlap_by_default(policy) if overlap is None else bool(overlap)
         self.compute_only = compute_only
         self.check_finite = check_finite
         self.sparse_aggregation = bool(sparse_aggregation)

@@ -14,12 +14,14 @@ This is the adjoint of the forward gather, so it is exact for directed graphs (n
 is assumed) and for ranks that own no training node (they still send zero gradients).
 
 :class:`HaloExchanger` numbers the message-passing layers of a training step by call order,
-asks its :class:`~lightning_fullgraph.comm.policy.CompressionPolicy` for the bit-widths of each
-message (forward and backward separately) and hands them to the
-:class:`~lightning_fullgraph.comm.transport.HaloTransport`; under a pipelined policy
-(Sylvie) asynchronous epochs go through :class:`_StaleFn` and the buffers of
-:mod:`~lightning_fullgraph.comm.staleness`.  Outside training steps every exchange is fp32
-and synchronous.
+asks its :class:`~lightning_fullgraph.comm.policies.base.CompressionPolicy` for the bit-widths
+of each message (forward and backward separately), encodes around the
+:class:`~lightning_fullgraph.comm.transport.HaloTransport` accordingly
+(:mod:`~lightning_fullgraph.comm.messages`), and runs every training layer's differentiable
+exchange through the policy's halo path (:mod:`~lightning_fullgraph.comm.path`): the
+synchronous and overlapped exchanges below by default, or the policy's own (Sylvie's
+pipeline).  It knows no method by name.  Outside training steps every exchange is fp32 and
+synchronous.
 
 Halo traffic runs on its own process group so it never interleaves with the gradient
 all-reduce on the default group.  Every rank must call :meth:`HaloExchanger.exchange` the
@@ -36,9 +38,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fullgraph.comm.plan import HaloPlan
-from lightning_fullgraph.comm.policy import CompressionPolicy, ExactPolicy
-from lightning_fullgraph.comm.staleness import block_rows
+from lightning_fullgraph.comm.messages import Message, send_encoded, send_rows
+from lightning_fullgraph.comm.path import Pending, append_halo, split_halo_grad
+from lightning_fullgraph.comm.policies.base import CompressionPolicy
+from lightning_fullgraph.comm.policies.exact import ExactPolicy
 from lightning_fullgraph.comm.transport import CommStats, HaloTransport
 
 __all__ = ["HaloExchanger"]
@@ -51,8 +54,9 @@ class HaloExchanger:
         plan: This rank's plan; its tensors must be on the device the features live on.
         group: Process group for halo traffic (``None``: the default group).  With a world
             size of 1 no collective is issued at all.
-        policy: Decides the bit-widths (and, for Sylvie, the schedule) of training messages;
-            default :class:`~lightning_fullgraph.comm.policy.ExactPolicy` (fp32).
+        policy: Decides the bit-widths and the halo path (synchronous, or e.g. Sylvie's
+            pipeline) of training messages; default
+            :class:`~lightning_fullgraph.comm.policies.exact.ExactPolicy` (fp32).
     """
 
     def __init__(self, plan: HaloPlan, group: Any = None, policy: CompressionPolicy | None = None) -> None:
@@ -104,35 +108,27 @@ class HaloExchanger:
         return any(r() is x for r in self._static_refs)
 
     # -- sending --------------------------------------------------------------------------
-    def launch(
-        self, rows: Tensor, layer: int | None, direction: str, kind: str = "message"
-    ) -> Callable[[], Tensor]:
+    def launch(self, rows: Tensor, layer: int | None, direction: str, kind: str = "message") -> Message:
         """Starts one message: ``rows`` are the sent rows (forward: ``[S, F]`` in send order;
-        backward: ``[H, F]`` gradients in halo order).  Returns the closure that waits."""
-        plan = self.plan
-        counts = plan.counts(direction)
+        backward: ``[H, F]`` gradients in halo order).  Inside a training step a layer's
+        message travels at the bit-widths its policy gives (encoded around the transport, the
+        rows' ranges handed back to the policy); otherwise as it is.  Returns the message in
+        flight: ``wait()`` gives the received rows, ``received()`` them as they arrived."""
+        counts = self.plan.counts(direction)
         bits = None
-        on_range = None
         if self.training and layer is not None:
             bits = self.policy.message_bits(layer, direction)
-            if bits is not None:
-                policy, dim = self.policy, rows.size(1)
-
-                def on_range(rng: Tensor) -> None:
-                    policy.observe(layer, direction, rng, dim)
-
-        return self.transport.start(
-            rows,
-            *counts,
-            bits=bits,
-            generator=self.policy.generator,
-            kind=kind,
-            layer=layer,
-            direction=direction,
-            on_range=on_range,
+        if bits is None:
+            return send_rows(self.transport, rows, *counts, kind=kind, layer=layer, direction=direction)
+        message, row_range = send_encoded(
+            self.transport, rows, *counts, bits,
+            generator=self.policy.generator, kind=kind, layer=layer, direction=direction,
         )
+        self.policy.observe(layer, direction, row_range, rows.size(1))
+        return message
 
-    def _check_rows(self, x: Tensor) -> None:
+    def check_rows(self, x: Tensor) -> None:
+        """Refuses ``x`` unless it has the ``N_r`` rows this rank owns."""
         if x.size(0) != self.plan.num_owned:
             raise ValueError(
                 f"halo exchange expects the {self.plan.num_owned} rows this rank owns, got {x.size(0)} rows"
@@ -141,14 +137,14 @@ class HaloExchanger:
     def fetch(self, x: Tensor, layer: int | None = None, kind: str = "message") -> Tensor:
         """Halo rows of ``x`` (no autograd): ``[N_r, *] -> [H_r, *]``; quantized when inside a
         training step the policy says so for ``layer``."""
-        self._check_rows(x)
-        return self.launch(x.detach().index_select(0, self.plan.send_index), layer, "forward", kind)()
+        self.check_rows(x)
+        return self.launch(x.detach().index_select(0, self.plan.send_index), layer, "forward", kind).wait()
 
     def push_back(self, grad_halo: Tensor, layer: int | None = None) -> Tensor:
         """Sends halo-row gradients home and sums them at the owners: ``[H_r, *] -> [N_r, *]``."""
-        return self._add_home(self.launch(grad_halo.contiguous(), layer, "backward")())
+        return self.add_home(self.launch(grad_halo.contiguous(), layer, "backward").wait())
 
-    def _add_home(self, recv: Tensor, owned: Tensor | None = None) -> Tensor:
+    def add_home(self, recv: Tensor, owned: Tensor | None = None) -> Tensor:
         """``[S, *]`` received gradient rows summed at their owners, ``[N_r, *]``; added to
         ``owned`` (the owned rows' gradient from the same output, not modified) when given, so
         the sum is one new tensor rather than a zero-filled one that autograd adds up."""
@@ -183,27 +179,36 @@ class HaloExchanger:
 
     def exchange_async(
         self, x: Tensor, exact: bool = False, score: Callable[[], Tensor] | None = None
-    ) -> _Pending:
+    ) -> Pending:
         """Starts the exchange of ``x``'s halo rows and returns at once; ``.wait()`` gives the
         halo rows ``[H_r, *]`` (differentiable in ``x``).  In backward the gradient transfer
-        likewise overlaps whatever autograd computes between the two halves."""
+        likewise overlaps whatever autograd computes between the two halves (by default: the
+        policy's halo path decides, :meth:`start_overlapped`)."""
         grad = x.requires_grad and torch.is_grad_enabled()
-        if self.training and self.policy.pipeline is not None and grad and not exact:
-            # the pipeline already hides the transfer; no second overlap mechanism
-            halo = self._halo(x, exact, score)
-            return _Pending(lambda: halo)
         layer = self._next_layer(x, grad, exact, score)
         if layer is None:
             halo = self._fetch_unnumbered(x, exact)
-            return _Pending(lambda: halo)
-        self._check_rows(x)
+            return Pending(lambda: halo)
+        self.check_rows(x)
         self.stats.forward_exchanges += 1
         if not grad:
-            finish = self.launch(x.index_select(0, self.plan.send_index), layer, "forward")
-            return _Pending(finish)
+            message = self.launch(x.index_select(0, self.plan.send_index), layer, "forward")
+            return Pending(message.wait)
+        return self.policy.start_halo(self, x, layer)
+
+    def exchange_synchronous(self, x: Tensor, layer: int | None, full: bool = False) -> Tensor:
+        """The synchronous differentiable exchange of ``x``'s halo rows (``cat(x, halo)`` with
+        ``full``): the default halo path of a training layer, and every exchange outside one
+        that needs a gradient."""
+        return _HaloExchangeFn.apply(x, self, layer, full)
+
+    def start_overlapped(self, x: Tensor, layer: int | None) -> Pending:
+        """The overlapped differentiable exchange (the default :meth:`exchange_async` path): the
+        forward transfer runs until ``wait()``, the gradient transfer until autograd reaches
+        the start."""
         state: dict[str, Any] = {}
         token = _StartFn.apply(x, self, layer, state)
-        return _Pending(lambda: _WaitFn.apply(token, self, layer, state))
+        return Pending(lambda: _WaitFn.apply(token, self, layer, state))
 
     def _next_layer(
         self, x: Tensor, grad: bool, exact: bool, score: Callable[[], Tensor] | None
@@ -235,24 +240,19 @@ class HaloExchanger:
     def _halo(self, x: Tensor, exact: bool, score: Callable[[], Tensor] | None, full: bool = False) -> Tensor:
         """The halo rows ``[H_r, *]``, or with ``full`` ``cat(x, halo)`` ``[N_r + H_r, *]``:
         the autograd functions then take the concatenation's gradient whole and add its owned
-        rows into the rows that come home (:meth:`_add_home`)."""
+        rows into the rows that come home (:meth:`add_home`)."""
         grad = x.requires_grad and torch.is_grad_enabled()
         layer = self._next_layer(x, grad, exact, score)
         if layer is None:
             if grad:
                 self.stats.forward_exchanges += 1
-                return _HaloExchangeFn.apply(x, self, None, None, full)
-            return _append(x, self._fetch_unnumbered(x, exact), full)
-        self._check_rows(x)
+                return self.exchange_synchronous(x, None, full)
+            return append_halo(x, self._fetch_unnumbered(x, exact), full)
+        self.check_rows(x)
         self.stats.forward_exchanges += 1
-        pipeline = self.policy.pipeline
-        if pipeline is not None and grad:
-            if not self.policy.synchronous:
-                return _StaleFn.apply(x, self, layer, full)
-            return _HaloExchangeFn.apply(x, self, layer, pipeline, full)
         if grad:
-            return _HaloExchangeFn.apply(x, self, layer, None, full)
-        return _append(x, self.fetch(x, layer), full)
+            return self.policy.exchange_halo(self, x, layer, full)
+        return append_halo(x, self.fetch(x, layer), full)
 
     def _fetch_unnumbered(self, x: Tensor, exact: bool) -> Tensor:
         # Only registered tensors (the batch's own, the same role on every rank) are cached:
@@ -275,73 +275,22 @@ class HaloExchanger:
         self._static.clear()
 
 
-def _append(x: Tensor, rows: Tensor, full: bool) -> Tensor:
-    return torch.cat([x, rows], dim=0) if full else rows
-
-
-def _split_grad(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor | None]:
-    """(halo rows' gradient, owned rows' gradient or ``None``) of a function's output."""
-    if not ctx.full:
-        return grad, None
-    return grad[ctx.num_owned :], grad[: ctx.num_owned]
-
-
 class _HaloExchangeFn(torch.autograd.Function):
-    """Synchronous exchange; with a pipeline (Sylvie's synchronous epochs) the received rows
-    and gradients are also kept for the asynchronous epochs that follow.  With ``full`` the
-    output is ``cat(x, halo)``."""
+    """Synchronous exchange; with ``full`` the output is ``cat(x, halo)``."""
 
     @staticmethod
-    def forward(
-        ctx: Any, x: Tensor, exchanger: HaloExchanger, layer: int | None, pipeline: Any, full: bool = False
-    ) -> Tensor:
-        ctx.exchanger, ctx.layer, ctx.pipeline = exchanger, layer, pipeline
+    def forward(ctx: Any, x: Tensor, exchanger: HaloExchanger, layer: int | None, full: bool = False) -> Tensor:
+        ctx.exchanger, ctx.layer = exchanger, layer
         ctx.full, ctx.num_owned = full, x.size(0)
-        if pipeline is None:
-            return _append(x, exchanger.fetch(x, layer), full)
-        exchanger._check_rows(x)
-        # kept as received (encoded when compressed) for the asynchronous epochs that follow
-        block = _kept(
-            exchanger.launch(x.detach().index_select(0, exchanger.plan.send_index), layer, "forward")
-        )()
-        rows = block_rows(block)
-        pipe = pipeline.layer(layer)
-        # (float rows are this function's output: keep a detached alias, not the graph's node)
-        pipeline.receive_halo(
-            pipe, block.detach() if isinstance(block, Tensor) else block, pipeline.epoch, True
-        )
-        pipeline.record_age(layer, 0)
-        return _append(x, rows, full)
+        return append_halo(x, exchanger.fetch(x, layer), full)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         exchanger: HaloExchanger = ctx.exchanger
         exchanger.stats.backward_exchanges += 1
-        grad_halo, owned = _split_grad(ctx, grad)
-        finish = exchanger.launch(grad_halo.contiguous(), ctx.layer, "backward")
-        if ctx.pipeline is None:
-            return exchanger._add_home(finish(), owned), None, None, None, None
-        block = _kept(finish)()
-        st = ctx.pipeline
-        st.receive_grad(st.layer(ctx.layer), block, st.epoch, synchronous=True)
-        return exchanger._add_home(block_rows(block), owned), None, None, None, None
-
-
-def _kept(finish: Any) -> Any:
-    """The waiting closure that returns a message as received (encoded when compressed)."""
-    return getattr(finish, "received", finish)
-
-
-class _Pending:
-    """A halo exchange in flight; :meth:`wait` returns the halo rows."""
-
-    __slots__ = ("_finish",)
-
-    def __init__(self, finish: Any) -> None:
-        self._finish = finish
-
-    def wait(self) -> Tensor:
-        return self._finish()
+        grad_halo, owned = split_halo_grad(ctx, grad)
+        message = exchanger.launch(grad_halo.contiguous(), ctx.layer, "backward")
+        return exchanger.add_home(message.wait(), owned), None, None, None
 
 
 class _StartFn(torch.autograd.Function):
@@ -351,14 +300,14 @@ class _StartFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, exchanger: HaloExchanger, layer: int | None, state: dict) -> Tensor:
         rows = x.detach().index_select(0, exchanger.plan.send_index)
-        state["finish"] = exchanger.launch(rows, layer, "forward")
+        state["message"] = exchanger.launch(rows, layer, "forward")
         ctx.exchanger, ctx.state = exchanger, state
         return x.new_empty(0)
 
     @staticmethod
     def backward(ctx: Any, _grad_token: Tensor) -> tuple[Tensor, None, None, None]:
         exchanger: HaloExchanger = ctx.exchanger
-        return exchanger._add_home(ctx.state.pop("finish_back")()), None, None, None
+        return exchanger.add_home(ctx.state.pop("message_back").wait()), None, None, None
 
 
 class _WaitFn(torch.autograd.Function):
@@ -368,71 +317,11 @@ class _WaitFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, token: Tensor, exchanger: HaloExchanger, layer: int | None, state: dict) -> Tensor:
         ctx.exchanger, ctx.layer, ctx.state = exchanger, layer, state
-        return state.pop("finish")()
+        return state.pop("message").wait()
 
     @staticmethod
     def backward(ctx: Any, grad_halo: Tensor) -> tuple[Tensor, None, None, None]:
         exchanger: HaloExchanger = ctx.exchanger
         exchanger.stats.backward_exchanges += 1
-        ctx.state["finish_back"] = exchanger.launch(grad_halo.contiguous(), ctx.layer, "backward")
+        ctx.state["message_back"] = exchanger.launch(grad_halo.contiguous(), ctx.layer, "backward")
         return grad_halo.new_empty(0), None, None, None
-
-
-class _StaleFn(torch.autograd.Function):
-    """Asynchronous epoch of one layer (see :mod:`~lightning_fullgraph.comm.staleness`):
-    consume the halo rows received during the previous epoch and, unless the policy says the
-    next epoch will not use them, send this epoch's; in backward add the gradients received
-    during the previous epoch and likewise send this epoch's."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, exchanger: HaloExchanger, layer: int, full: bool = False) -> Tensor:
-        policy = exchanger.policy
-        st = policy.pipeline
-        assert st is not None
-        pipe = st.layer(layer)
-        st.land_forward(pipe)
-        if pipe.halo is None:
-            # no earlier block of this layer (a layer that did not run in the last
-            # synchronous epoch): fetch fresh rows rather than feed zeros
-            st.receive_halo(pipe, exchanger.fetch(x, layer), st.epoch, synchronous=True)
-        st.check_consumable(pipe, layer, "halo rows")
-        if policy.launch:
-            pipe.fwd_pending = _kept(
-                exchanger.launch(x.detach().index_select(0, exchanger.plan.send_index), layer, "forward")
-            )
-            pipe.fwd_epoch = st.epoch
-        st.record_age(layer, st.epoch - pipe.halo_epoch)
-        ctx.exchanger, ctx.layer = exchanger, layer
-        ctx.full, ctx.num_owned = full, x.size(0)
-        return _append(x, st.halo_rows(pipe), full)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        grad_halo, owned = _split_grad(ctx, grad)
-        exchanger: HaloExchanger = ctx.exchanger
-        policy = exchanger.policy
-        st = policy.pipeline
-        assert st is not None
-        pipe = st.layer(ctx.layer)
-        st.land_gradient(pipe)
-        if pipe.grad_added_epoch == st.epoch:
-            raise RuntimeError(
-                f"sylvie: a second backward pass through layer {ctx.layer} in epoch {st.epoch}; an "
-                "asynchronous epoch carries one gradient block per layer (each backward would add the "
-                "previous epoch's block again). Back-propagate the sum of the losses in one call, or "
-                "use mode='adaqp' (synchronous low-bit messages)"
-            )
-        pipe.grad_added_epoch = st.epoch
-        stale = st.grad_rows(pipe)
-        if stale is not None:
-            st.check_consumable(pipe, ctx.layer, "gradients")
-        exchanger.stats.backward_exchanges += 1
-        if policy.launch:
-            pipe.grad_pending = _kept(exchanger.launch(grad_halo.contiguous(), ctx.layer, "backward"))
-            pipe.grad_pending_epoch = st.epoch
-        if stale is not None:
-            return exchanger._add_home(stale.to(grad_halo.dtype), owned), None, None, None
-        if owned is not None:
-            return owned, None, None, None
-        plan = exchanger.plan
-        return grad_halo.new_zeros((plan.num_owned,) + tuple(grad_halo.shape[1:])), None, None, None

@@ -150,7 +150,6 @@ __all__ = [
     "DITHER_BITS",
     "META_NBYTES",
     "SUPPORTED_BITS",
-    "ADAPTIVE_BITS",
     "QuantizedRows",
     "adaqp_variance_model",
     "dequantize",
@@ -164,9 +163,6 @@ __all__ = [
 ]
 
 SUPPORTED_BITS: tuple[int, ...] = (1, 2, 4, 8)
-#: The widths AdaQP's bit assignment chooses from (the paper's {2, 4, 8}); one home for
-#: the assignment (``comm.assign``), its distributed driver and the policy.
-ADAPTIVE_BITS: tuple[int, ...] = (2, 4, 8)
 #: Bytes of per-row metadata: bfloat16 ``lo`` + 16-bit range ``R`` (module docstring).
 META_NBYTES: int = 4
 #: Fractional bits of the fixed-point dither (see the module docstring).

@@ -1,12 +1,13 @@
-"""The halo transport: one asynchronous ``all_to_all_single`` per message, codec around it.
+"""The halo transport: one asynchronous ``all_to_all_single`` per message, a typed handle back.
 
 A message is the rows this rank sends to every peer, peer-contiguous (``send_counts[p]``
 rows for peer ``p``), answered by ``recv_counts[q]`` rows from every peer ``q``.  The
-transport either moves the rows as they are (``bits=None``: their own dtype) or, when handed
-per-row bit-widths, encodes them with the stochastic k-bit codec
-(:func:`~lightning_fullgraph.comm.codec.encode_rows`), moves the bytes and decodes at the
-receiver.  It never decides anything: bit-widths come from the caller (the policy), the
-rounding stream too.
+transport moves a tensor's rows as they are -- float rows, or the bytes of an encoded message
+(``[sum(nbytes)]`` uint8, one "row" per byte) -- and returns a :class:`Transfer`, which, like
+torch's ``Work``, waits and gives what arrived.  It never decides or encodes anything:
+compression is composed around it (:mod:`~lightning_fullgraph.comm.messages`: the codec
+before :meth:`HaloTransport.start`, the decoding after :meth:`Transfer.wait`, as torch's
+``fp16_compress_wrapper`` wraps a plain all-reduce).
 
 Every transfer is counted in :class:`CommStats` under a *kind*:
 
@@ -24,22 +25,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_fullgraph.comm.codec import ReceivedRows, decode_rows, encode_rows, message_nbytes
 from lightning_fullgraph.comm.plan import HaloPlan
-from lightning_fullgraph.comm.quantize import META_NBYTES
 
-__all__ = ["KINDS", "CommStats", "HaloTransport"]
+__all__ = ["KINDS", "CommStats", "HaloTransport", "Transfer"]
 
 KINDS: tuple[str, ...] = ("message", "onetime", "control")
-
 
 @dataclass
 class CommStats:
@@ -92,8 +88,38 @@ class CommStats:
         return sum(self.wire_bits.values()) / n if n else 0.0
 
 
+class Transfer:
+    """One all-to-all in flight (``Work``-like): :meth:`wait` waits and returns the received
+    tensor ``[sum(recv_counts), *]``.
+
+    The handle refers to its collective, its output buffer and the counters only -- nothing
+    refers back to it -- so the buffer dies with the last reference to the handle or to what
+    :meth:`wait` returned, never waiting for the garbage collector (at products' size an fp32
+    message held until a collection is hundreds of MiB per rank).
+    """
+
+    __slots__ = ("_out", "_stats", "_work")
+
+    def __init__(self, work: Any, out: Tensor, stats: CommStats) -> None:
+        self._work = work
+        self._out = out
+        self._stats = stats
+
+    def wait(self) -> Tensor:
+        """Waits for the collective (the wait counted in ``wait_time``) and returns what arrived."""
+        t = time.perf_counter()
+        if self._work is not None:
+            self._work.wait()
+        self._stats.wait_time += time.perf_counter() - t
+        return self._out
+
+    def received(self) -> Tensor:
+        """The message as it arrived, to keep: for rows sent as they are, :meth:`wait`'s rows."""
+        return self.wait()
+
+
 class HaloTransport:
-    """Moves rows between the ranks of a :class:`HaloPlan` on one process group.
+    """Moves rows between the ranks of a :class:`HaloPlan` on one process group, as they are.
 
     Args:
         plan: This rank's plan (its tensors on the features' device).
@@ -108,110 +134,34 @@ class HaloTransport:
         self.skip_transfers = False
         self.distributed = plan.world_size > 1 and dist.is_available() and dist.is_initialized()
 
-    def start(
-        self,
-        rows: Tensor,
-        send_counts: list[int],
-        recv_counts: list[int],
-        *,
-        bits: tuple[Tensor, Tensor] | None = None,
-        generator: torch.Generator | None = None,
-        kind: str = "message",
-        layer: int | None = None,
-        direction: str = "forward",
-        on_range: Callable[[Tensor], None] | None = None,
-    ) -> Callable[[], Tensor]:
-        """Launches one all-to-all without waiting; the returned closure waits and returns the
-        received rows ``[sum(recv_counts), *rows.shape[1:]]``.  For a compressed message the
-        closure has an attribute ``received`` that waits instead of it and returns what
-        arrived without decoding it, a :class:`~lightning_fullgraph.comm.codec.ReceivedRows`
-        (for keeping it small).  Call one of the two, once.  (Neither closure refers to the
-        other's owner: a reference cycle would keep every message buffer alive until the
-        garbage collector runs.)
+    def start(self, send: Tensor, send_counts: list[int], recv_counts: list[int], *, kind: str = "message") -> Transfer:
+        """Launches one all-to-all of ``send``'s rows without waiting.
 
         Args:
-            rows: ``[sum(send_counts), *]`` rows, peer-contiguous.
-            bits: ``(bits of every sent row, bits of every received row)`` (uint8), or
-                ``None`` to send ``rows`` in their own dtype.  Two-dimensional rows only.
-            generator: Random stream of the stochastic rounding.
+            send: ``[sum(send_counts), *]`` rows, peer-contiguous (any dtype: float rows, or
+                the bytes of an encoded message with per-peer byte counts).
+            send_counts, recv_counts: Rows to / from every peer.
             kind: ``"message"``, ``"onetime"`` or ``"control"`` (module docstring).
-            layer, direction: Which message this is (for the per-layer counters).
-            on_range: Called with the ``[S]`` per-row ``max - min`` of encoded rows.
+
+        Returns:
+            The :class:`Transfer`; its :meth:`~Transfer.wait` gives ``[sum(recv_counts), *]``
+            rows of ``send``'s dtype (zeros when the bound skips the collective).
         """
         stats = self.stats
         skip = self.skip_transfers and kind == "message"
         transfer = self.distributed and not skip
         stats.exchanges += 1
-        if bits is None:
-            shape = (sum(recv_counts),) + tuple(rows.shape[1:])
-            out = rows.new_zeros(shape) if skip else rows.new_empty(shape)
-            send = rows.contiguous()
-            work = None
-            if transfer:
-                work = dist.all_to_all_single(
-                    out, send, recv_counts, send_counts, group=self.group, async_op=True
-                )
-            row_bytes = rows.element_size() * math.prod(rows.shape[1:])
-            stats.bytes_sent[kind] += row_bytes * sum(send_counts)
-            stats.bytes_recv[kind] += row_bytes * sum(recv_counts)
-            if kind == "message" and layer is not None:
-                vbits = 8 * rows.element_size()
-                stats.record_message(
-                    layer, direction, send.numel(), send.numel() * vbits, send.numel() * vbits
-                )
-
-            def finish() -> Tensor:
-                t = time.perf_counter()
-                if work is not None:
-                    work.wait()
-                stats.wait_time += time.perf_counter() - t
-                return out
-
-            return finish
-        send_bits, recv_bits = bits
-        row_len = rows.size(1)
-        t0 = time.perf_counter()
-        enc = encode_rows(rows.detach().float(), send_bits, send_counts, generator=generator)
-        recv_nbytes = message_nbytes(recv_bits, recv_counts, row_len)
-        stats.quant_time += time.perf_counter() - t0
-        if on_range is not None:
-            on_range(enc.rng)
-        if layer is not None:
-            payload = int(send_bits.sum()) * row_len
-            stats.record_message(
-                layer, direction, rows.numel(), payload, payload + 8 * META_NBYTES * rows.size(0)
-            )
-        alloc = torch.zeros if skip else torch.empty
-        buf = alloc(sum(recv_nbytes), dtype=torch.uint8, device=rows.device)
+        shape = (sum(recv_counts),) + tuple(send.shape[1:])
+        out = send.new_zeros(shape) if skip else send.new_empty(shape)
+        send = send.contiguous()
         work = None
         if transfer:
-            work = dist.all_to_all_single(
-                buf, enc.buffer, recv_nbytes, enc.nbytes, group=self.group, async_op=True
-            )
-        stats.bytes_sent[kind] += sum(enc.nbytes)
-        stats.bytes_recv[kind] += sum(recv_nbytes)
-        dtype = rows.dtype
-
-        def finish_compressed() -> Tensor:
-            t = time.perf_counter()
-            if work is not None:
-                work.wait()
-            t1 = time.perf_counter()
-            out = decode_rows(buf, recv_bits, recv_counts, row_len).to(dtype)
-            stats.wait_time += t1 - t
-            stats.quant_time += time.perf_counter() - t1
-            return out
-
-        def received() -> ReceivedRows:
-            t = time.perf_counter()
-            if work is not None:
-                work.wait()
-            stats.wait_time += time.perf_counter() - t
-            return ReceivedRows(buf, recv_bits, recv_counts, row_len, dtype, stats)
-
-        finish_compressed.received = received  # type: ignore[attr-defined]
-        return finish_compressed
+            work = dist.all_to_all_single(out, send, recv_counts, send_counts, group=self.group, async_op=True)
+        row_bytes = send.element_size() * math.prod(send.shape[1:])
+        stats.bytes_sent[kind] += row_bytes * sum(send_counts)
+        stats.bytes_recv[kind] += row_bytes * sum(recv_counts)
+        return Transfer(work, out, stats)
 
     def control(self, rows: Tensor, send_counts: list[int], recv_counts: list[int]) -> Tensor:
         """Synchronous uncompressed all-to-all of small control rows (always transferred)."""
-        return self.start(rows, send_counts, recv_counts, kind="control")()
+        return self.start(rows, send_counts, recv_counts, kind="control").wait()

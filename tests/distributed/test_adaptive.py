@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_fullgraph.comm.adaptive import (
+from lightning_fullgraph.comm.policies.adaqp.distributed import (
     MessageStats,
     assign_message_bits,
     measure_link_costs,
     sender_weights,
 )
-from lightning_fullgraph.comm.assign import LinkCost
+from lightning_fullgraph.comm.policies.adaqp.milp import LinkCost
 from lightning_fullgraph.partition.partitioner import partition_graph
 from lightning_fullgraph.partition.planner import build_local_partitions
 from tests.helpers import directed_graph, run_ranks

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_fullgraph.comm.exchange import HaloExchanger
-from lightning_fullgraph.comm.policy import AdaQPPolicy, PolicyEnv
+from lightning_fullgraph.comm.policies import AdaQPPolicy, PolicyEnv
 from lightning_fullgraph.partition.partitioner import partition_graph
 from lightning_fullgraph.partition.planner import build_local_partitions
 from tests.helpers import directed_graph, run_ranks
@@ -109,7 +109,7 @@ def test_backward_allocates_one_owned_gradient() -> None:
     """The exchange's backward writes the owned rows' gradient once: the concatenation's
     gradient for the owned rows plus the rows that came home, one ``[N_r, F]`` tensor (here
     the leaf's ``.grad`` itself), not a zero-filled ``[N_r, F]`` that autograd then adds to the
-    concatenation's slice (a second one).  Negative control (run): ``_add_home`` ignoring
+    concatenation's slice (a second one).  Negative control (run): ``add_home`` ignoring
     ``owned`` (the previous backward) allocates two and fails."""
     run_ranks(_backward_allocations, 2)
 

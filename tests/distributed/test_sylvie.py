@@ -247,8 +247,8 @@ def test_stale_blocks_are_kept_encoded(tmp_path) -> None:
     bytes that arrived (decoded when used; ``test_sylvie_reference`` checks the values), so
     they hold well under a quarter of their float32 size (here hidden 16: ~1/10).
 
-    Negative control: keeping the decoded float32 rows (``_kept`` returning the decoding
-    closure, as before) holds exactly their float32 size and fails."""
+    Negative control: keeping the decoded float32 rows (``EncodedTransfer.received``
+    returning ``wait()``'s decoded rows, as before) holds exactly their float32 size and fails."""
     data = directed_graph(seed=23)
     trainer = cpu_trainer(3, max_epochs=5, callbacks=[_RecordKeptBytes()],
                           strategy_kwargs={"mode": "sylvie", **PIPELINED, "staleness": 3})

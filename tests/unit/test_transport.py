@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from lightning_fullgraph.comm.plan import HaloPlan
+from lightning_fullgraph.comm.messages import send_encoded, send_rows
 from lightning_fullgraph.comm.quantize import META_NBYTES
 from lightning_fullgraph.comm.transport import HaloTransport
 
@@ -26,9 +26,9 @@ def test_payload_and_wire_bits_are_counted_per_direction() -> None:
     t = HaloTransport(_plan())
     rows = torch.randn(4, 16)
     bits = torch.full((4,), 2, dtype=torch.uint8)
-    out = t.start(rows, [4], [4], bits=(bits, bits), layer=0, direction="forward")()
+    out = send_encoded(t, rows, [4], [4], (bits, bits), layer=0, direction="forward")[0].wait()
     assert out.shape == rows.shape
-    t.start(rows, [4], [4], layer=0, direction="backward")()
+    send_rows(t, rows, [4], [4], layer=0, direction="backward").wait()
     s = t.stats
     assert s.payload_bits["forward"] / s.values["forward"] == 2
     assert s.wire_bits["forward"] / s.values["forward"] == 2 + 8 * META_NBYTES / 16
@@ -44,11 +44,11 @@ def test_kinds_are_counted_apart_and_the_bound_skips_only_messages() -> None:
     rows = torch.ones(4, 3)
     t.distributed = True  # pretend: the bound decides before any collective would be issued
     try:
-        out = t.start(rows, [4], [4], kind="message", layer=0)()
+        out = send_rows(t, rows, [4], [4], kind="message", layer=0).wait()
     finally:
         t.distributed = False
     assert not out.any()
-    t.start(rows, [4], [4], kind="onetime")()
+    t.start(rows, [4], [4], kind="onetime").wait()
     t.control(rows, [4], [4])
     assert t.stats.bytes_sent == {"message": 48, "onetime": 48, "control": 48}
     assert "forward" in t.stats.values and t.stats.values["forward"] == 12
@@ -80,13 +80,14 @@ def test_message_buffers_die_with_their_last_reference(compressed: bool, kept: b
     """Once the caller drops the rows a message returned (and its closures), their memory is
     freed at once, not at the next garbage collection: no reference cycle holds the buffers.
     (At products' size every fp32 message held until a collection is hundreds of MiB per
-    rank.)  Negative control: ``finish.received = finish`` on the uncompressed closure (a
-    self-reference) keeps the received rows alive and fails the first case."""
+    rank.)  Negative control: a handle that refers to itself (e.g. ``self._me = self`` in
+    ``Transfer.__init__``, as the earlier closure's ``finish.received = finish`` did) keeps the
+    received rows alive and fails the first case."""
     t = HaloTransport(_plan())
     rows = torch.randn(4, 16)
     bits = (torch.full((4,), 2, dtype=torch.uint8),) * 2 if compressed else None
-    finish = t.start(rows, [4], [4], bits=bits, layer=0)
-    got = getattr(finish, "received", finish)() if kept else finish()
+    finish = send_encoded(t, rows, [4], [4], bits, layer=0)[0] if bits else send_rows(t, rows, [4], [4], layer=0)
+    got = finish.received() if kept else finish.wait()
     ref = weakref.ref(got.buffer if hasattr(got, "buffer") else got)
     was = gc.isenabled()
     gc.disable()

@@ -17,13 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_fullgraph.comm.adaptive import (
+from lightning_fullgraph.comm.policies.adaqp.distributed import (
     MessageStats,
     assign_message_bits,
     measure_link_costs,
     sender_weights,
 )
-from lightning_fullgraph.comm.assign import (
+from lightning_fullgraph.comm.policies.adaqp.milp import (
     AssignmentProblem,
     LinkCost,
     assign_bits,

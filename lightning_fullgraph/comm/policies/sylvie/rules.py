@@ -1,7 +1,7 @@
 r"""Sylvie's epoch-level controllers: decisions on the global training loss, no communication.
 
 Two rules watch the global training loss :math:`L_t` (identical on every rank, so every rank
-decides the same) and steer :class:`~lightning_fullgraph.comm.policy.SylviePolicy`:
+decides the same) and steer :class:`~lightning_fullgraph.comm.policies.sylvie.policy.SylviePolicy`:
 
 * :class:`DivergenceGuard` -- the safety net (on by default).  The stale pipeline can make
   training diverge where halo rows carry much of the aggregation (measured: a 12k-node,

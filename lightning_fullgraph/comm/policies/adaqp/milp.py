@@ -1,7 +1,7 @@
-r"""Adaptive bit-width assignment for compressed halo exchange (AdaQP, arXiv 2306.01381).
+r"""AdaQP's bit-width assignment (arXiv 2306.01381): cost model, row groups and the MILP, pure.
 
 Pure functions only: nothing here touches a process group.  The distributed driver
-(:func:`lightning_fullgraph.comm.adaptive.assign_message_bits`) is "one rank solves, all
+(:func:`lightning_fullgraph.comm.policies.adaqp.distributed.assign_message_bits`) is "one rank solves, all
 receive": every rank groups the rows it sends, rank 0 gathers all ranks' groups, builds ONE
 :class:`AssignmentProblem` per key ``(layer, "forward" | "backward")`` over *all* senders,
 calls :func:`assign_bits` on it, and broadcasts the chosen bit-widths.
@@ -99,9 +99,10 @@ import torch
 from scipy.optimize import Bounds, LinearConstraint, milp, nnls
 from torch import Tensor
 
-from lightning_fullgraph.comm.quantize import ADAPTIVE_BITS, META_NBYTES
+from lightning_fullgraph.comm.quantize import META_NBYTES
 
 __all__ = [
+    "ADAPTIVE_BITS",
     "AssignmentProblem",
     "AssignmentResult",
     "LinkCost",
@@ -115,6 +116,11 @@ __all__ = [
     "range_coefficients",
     "variance_coefficients",
 ]
+
+#: The widths AdaQP's bit assignment chooses from (the paper's {2, 4, 8}; a subset of the
+#: quantizer's :data:`~lightning_fullgraph.comm.quantize.SUPPORTED_BITS`): one home for this
+#: MILP, its distributed driver and the policy.
+ADAPTIVE_BITS: tuple[int, ...] = (2, 4, 8)
 
 Pair = tuple[int, int]
 

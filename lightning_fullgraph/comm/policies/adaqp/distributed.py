@@ -1,9 +1,10 @@
 r"""AdaQP's adaptive bit-widths, distributed: measure links, score rows, gather variances, solve.
 
-The pure parts (cost fit, grouping, the MILP) live in :mod:`~lightning_fullgraph.comm.assign`;
+The pure parts (cost fit, grouping, the MILP) live in :mod:`~lightning_fullgraph.comm.policies.adaqp.milp`;
 this module runs them across the ``W`` ranks of a process group.  Nothing here knows the halo
 exchanger: small picklable tables travel by ``torch.distributed`` object collectives on
-``group``, rows (scores, bit-widths) by a caller-provided :data:`ControlFn`, an uncompressed
+``group``, rows (scores, bit-widths) by a caller-provided
+:data:`~lightning_fullgraph.comm.policies.base.ControlFn`, an uncompressed
 all-to-all of the caller's transport.
 
 Notation (one rank, its halo plan): ``send_counts[p]`` = rows this rank owns that rank ``p``
@@ -34,18 +35,18 @@ in peer-rank order.  A layer ``l`` has two message directions, keyed ``(l, "forw
 
    * every rank computes :math:`c_i = w_i \, F \, (\max_i - \min_i)^2 / 6` of each row it sends
      (quantisation variance at ``b`` bits: :math:`c_i / (2^b - 1)^2`), sorts each peer's rows
-     by ``c`` and chops them into groups of ``group_size`` (:func:`~.assign.group_nodes`);
+     by ``c`` and chops them into groups of ``group_size`` (:func:`~.milp.group_nodes`);
    * rank 0 gathers every rank's groups and builds ONE
-     :class:`~.assign.AssignmentProblem` per key over ALL senders: the pair :math:`s \to p`
+     :class:`~.milp.AssignmentProblem` per key over ALL senders: the pair :math:`s \to p`
      belongs to round :math:`r = (p - s) \bmod W`, the round time is
      :math:`Z_r = \max_{(s,p) \in r} \alpha_{sp} \cdot bytes_{sp} + \beta_{sp}` with
      :math:`bytes = \sum_g n_g (\lceil F b_g / 8 \rceil + m)`, ``m`` =
      :data:`~.quantize.META_NBYTES`, and the objective is
      :math:`\lambda \, \hat V + (1 - \lambda) \, \hat T`, :math:`T = \sum_r Z_r` (normalised
-     between all-min-bits and all-max-bits); :func:`~.assign.assign_bits` solves it as
+     between all-min-bits and all-max-bits); :func:`~.milp.assign_bits` solves it as
      independent per-round MILPs, one per round that has a group (the separation is exact;
      each round is solved to HiGHS' relative gap ``1e-3`` within a shared 10 s budget, with
-     a greedy fallback, see :mod:`~.assign`);
+     a greedy fallback, see :mod:`~.milp`);
    * rank 0 broadcasts the group bit-widths; each rank expands them to per-row send bits
      ``[M]`` and obtains, through the control all-to-all, the bit-width of every row it
      receives in that direction, ``[sum(recv_counts)]``.
@@ -57,7 +58,6 @@ in peer-rank order.  A layer ``l`` has two message directions, keyed ``(l, "forw
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +65,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_fullgraph.comm.assign import (
+from lightning_fullgraph.comm.policies.adaqp.milp import (
+    ADAPTIVE_BITS,
     AssignmentProblem,
     LinkCost,
     assign_bits,
@@ -74,23 +75,16 @@ from lightning_fullgraph.comm.assign import (
     group_nodes,
     range_coefficients,
 )
+from lightning_fullgraph.comm.policies.base import ControlFn
+from lightning_fullgraph.comm.quantize import META_NBYTES
 from lightning_fullgraph.comm.plan import DIRECTIONS
-from lightning_fullgraph.comm.quantize import ADAPTIVE_BITS, META_NBYTES
 
 __all__ = [
-    "ControlFn",
     "MessageStats",
     "assign_message_bits",
     "measure_link_costs",
     "sender_weights",
 ]
-
-
-#: ``control(rows [sum(send_counts), k], send_counts, recv_counts) -> rows [sum(recv_counts), k]``:
-#: a synchronous, uncompressed all-to-all of rows over the same ranks (collective: every rank
-#: calls it at the same point).  ``send_counts[p]`` rows go to rank ``p``, ``recv_counts[p]``
-#: come from rank ``p``, concatenated in peer-rank order.
-ControlFn = Callable[[Tensor, list[int], list[int]], Tensor]
 
 Key = tuple[int, str]
 _Entry = tuple[int, int, float]  # (peer, rows, variance coefficient) of one group

@@ -1,6 +1,6 @@
-r"""Bounded-staleness pipeline buffers (Sylvie's asynchronous mode, after PipeGCN).
+r"""Sylvie's bounded-staleness pipeline (after PipeGCN): its buffers and its halo path.
 
-The schedule (decided by :class:`~lightning_fullgraph.comm.policy.SylviePolicy`): epoch
+The schedule (decided by :class:`~lightning_fullgraph.comm.policies.sylvie.policy.SylviePolicy`): epoch
 :math:`t` is *synchronous* when :math:`t \bmod \varepsilon = 0` (epoch 0 included) or when the
 epoch-adaptive rule asked for it; otherwise it is *asynchronous*.  Per layer :math:`l`, rank
 :math:`r` and owner :math:`q`:
@@ -32,20 +32,26 @@ the pipeline (to write a checkpoint) never changes what training sees.
 
 :meth:`StalenessState.state_dict` waits for the transfers in flight and returns plain
 tensors, so a checkpoint resumes bit for bit.
+
+The halo path the policy hands the exchanger (:func:`pipeline_halo`, the protocol of
+:mod:`~lightning_fullgraph.comm.path`) runs a synchronous epoch's layer through ``_KeepFn``
+(the synchronous exchange, keeping both received blocks) and an asynchronous epoch's through
+``_StaleFn`` (consume the kept blocks, send this epoch's when the schedule says so).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from lightning_fullgraph.comm.codec import ReceivedRows
+from lightning_fullgraph.comm.path import Exchanger, append_halo, split_halo_grad
 
-__all__ = ["SMOOTH_CHOICES", "Block", "LayerPipe", "StalenessState", "block_rows"]
+__all__ = ["SMOOTH_CHOICES", "Block", "LayerPipe", "Schedule", "StalenessState", "block_rows", "pipeline_halo"]
 
 SMOOTH_CHOICES: tuple[str, ...] = ("features", "gradients", "both")
 
@@ -233,3 +239,120 @@ class StalenessState:
                 if k in self._KEYS:
                     setattr(pipe, k, v.to(device) if isinstance(v, Tensor) and device is not None else v)
             self.layers[int(i)] = pipe
+
+
+# --------------------------------------------------------------------------- the halo path
+
+
+class Schedule(Protocol):
+    """The policy's decisions for the current epoch that the path reads
+    (:class:`~lightning_fullgraph.comm.policies.sylvie.policy.SylviePolicy`)."""
+
+    #: Whether this epoch exchanges fresh rows (else: consumes the previous epoch's).
+    synchronous: bool
+    #: Whether this (asynchronous) epoch sends its rows and gradients for the next one.
+    launch: bool
+
+
+def pipeline_halo(
+    exchanger: Exchanger, pipeline: StalenessState, schedule: Schedule, x: Tensor, layer: int, full: bool = False
+) -> Tensor:
+    """Sylvie's halo path for training layer ``layer`` (its input ``x`` needs a gradient): a
+    synchronous epoch exchanges and keeps the blocks, an asynchronous one consumes the previous
+    epoch's (module docstring).  The output follows :mod:`~lightning_fullgraph.comm.path`."""
+    if not schedule.synchronous:
+        return _StaleFn.apply(x, exchanger, pipeline, schedule, layer, full)
+    return _KeepFn.apply(x, exchanger, pipeline, layer, full)
+
+
+class _KeepFn(torch.autograd.Function):
+    """Synchronous epoch of one layer: the exchange of the default path, whose received rows
+    and gradients are also kept (as received: encoded when compressed) for the asynchronous
+    epochs that follow.  With ``full`` the output is ``cat(x, halo)``."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, exchanger: Exchanger, pipeline: StalenessState, layer: int, full: bool = False
+    ) -> Tensor:
+        ctx.exchanger, ctx.layer, ctx.pipeline = exchanger, layer, pipeline
+        ctx.full, ctx.num_owned = full, x.size(0)
+        exchanger.check_rows(x)
+        # kept as received (encoded when compressed) for the asynchronous epochs that follow
+        block = exchanger.launch(x.detach().index_select(0, exchanger.plan.send_index), layer, "forward").received()
+        rows = block_rows(block)
+        pipe = pipeline.layer(layer)
+        # (float rows are this function's output: keep a detached alias, not the graph's node)
+        pipeline.receive_halo(
+            pipe, block.detach() if isinstance(block, Tensor) else block, pipeline.epoch, True
+        )
+        pipeline.record_age(layer, 0)
+        return append_halo(x, rows, full)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
+        exchanger: Exchanger = ctx.exchanger
+        exchanger.stats.backward_exchanges += 1
+        grad_halo, owned = split_halo_grad(ctx, grad)
+        message = exchanger.launch(grad_halo.contiguous(), ctx.layer, "backward")
+        block = message.received()
+        st = ctx.pipeline
+        st.receive_grad(st.layer(ctx.layer), block, st.epoch, synchronous=True)
+        return exchanger.add_home(block_rows(block), owned), None, None, None, None
+
+
+class _StaleFn(torch.autograd.Function):
+    """Asynchronous epoch of one layer (module docstring): consume the halo rows received
+    during the previous epoch and, unless the schedule says the next epoch will not use them,
+    send this epoch's; in backward add the gradients received during the previous epoch and
+    likewise send this epoch's."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, exchanger: Exchanger, st: StalenessState, schedule: Schedule, layer: int,
+        full: bool = False,
+    ) -> Tensor:
+        pipe = st.layer(layer)
+        st.land_forward(pipe)
+        if pipe.halo is None:
+            # no earlier block of this layer (a layer that did not run in the last
+            # synchronous epoch): fetch fresh rows rather than feed zeros
+            st.receive_halo(pipe, exchanger.fetch(x, layer), st.epoch, synchronous=True)
+        st.check_consumable(pipe, layer, "halo rows")
+        if schedule.launch:
+            pipe.fwd_pending = exchanger.launch(
+                x.detach().index_select(0, exchanger.plan.send_index), layer, "forward"
+            ).received
+            pipe.fwd_epoch = st.epoch
+        st.record_age(layer, st.epoch - pipe.halo_epoch)
+        ctx.exchanger, ctx.state, ctx.schedule, ctx.layer = exchanger, st, schedule, layer
+        ctx.full, ctx.num_owned = full, x.size(0)
+        return append_halo(x, st.halo_rows(pipe), full)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None, None]:
+        grad_halo, owned = split_halo_grad(ctx, grad)
+        exchanger: Exchanger = ctx.exchanger
+        st: StalenessState = ctx.state
+        pipe = st.layer(ctx.layer)
+        st.land_gradient(pipe)
+        if pipe.grad_added_epoch == st.epoch:
+            raise RuntimeError(
+                f"sylvie: a second backward pass through layer {ctx.layer} in epoch {st.epoch}; an "
+                "asynchronous epoch carries one gradient block per layer (each backward would add the "
+                "previous epoch's block again). Back-propagate the sum of the losses in one call, or "
+                "use mode='adaqp' (synchronous low-bit messages)"
+            )
+        pipe.grad_added_epoch = st.epoch
+        stale = st.grad_rows(pipe)
+        if stale is not None:
+            st.check_consumable(pipe, ctx.layer, "gradients")
+        exchanger.stats.backward_exchanges += 1
+        if ctx.schedule.launch:
+            pipe.grad_pending = exchanger.launch(grad_halo.contiguous(), ctx.layer, "backward").received
+            pipe.grad_pending_epoch = st.epoch
+        if stale is not None:
+            return exchanger.add_home(stale.to(grad_halo.dtype), owned), None, None, None, None, None
+        if owned is not None:
+            return owned, None, None, None, None, None
+        plan = exchanger.plan
+        return grad_halo.new_zeros((plan.num_owned,) + tuple(grad_halo.shape[1:])), None, None, None, None, None

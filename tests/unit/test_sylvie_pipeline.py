@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_fullgraph.comm.staleness import LayerPipe, StalenessState
+from lightning_fullgraph.comm.policies.sylvie.pipeline import LayerPipe, StalenessState
 
 
 def _pending(value: torch.Tensor, calls: list[int]):

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-import lightning_fullgraph.comm.assign as assign_mod
-from lightning_fullgraph.comm.assign import (
+import lightning_fullgraph.comm.policies.adaqp.milp as assign_mod
+from lightning_fullgraph.comm.policies.adaqp.milp import (
     AssignmentProblem,
     LinkCost,
     assign_bits,
