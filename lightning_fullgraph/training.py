@@ -30,8 +30,8 @@ from torch import Tensor
 from lightning_fullgraph.validation import all_finite
 
 if TYPE_CHECKING:
-    from lightning_fullgraph.comm.policies.base import CompressionPolicy
     from lightning_fullgraph.comm.plan import LocalPartition
+    from lightning_fullgraph.comm.policies.base import CompressionPolicy
 
 __all__ = [
     "LOSS_WEIGHTINGS",

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from lightning_fullgraph.comm.messages import Message, send_encoded, send_rows
 from lightning_fullgraph.comm.path import Pending, append_halo, split_halo_grad
+from lightning_fullgraph.comm.plan import HaloPlan
 from lightning_fullgraph.comm.policies.base import CompressionPolicy
 from lightning_fullgraph.comm.policies.exact import ExactPolicy
 from lightning_fullgraph.comm.transport import CommStats, HaloTransport

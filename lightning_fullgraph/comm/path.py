@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from lightning_fullgraph.comm.messages import Message
-from lightning_fullgraph.comm.transport import CommStats
 from lightning_fullgraph.comm.plan import HaloPlan
+from lightning_fullgraph.comm.transport import CommStats
 
 __all__ = ["Exchanger", "Pending", "append_halo", "split_halo_grad"]
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_fullgraph import FullGraphStrategy
+from lightning_fullgraph.comm.plan import HaloPlan
 from lightning_fullgraph.comm.policies import (
     AdaQPPolicy,
     ExactPolicy,

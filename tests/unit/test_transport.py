@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightning_fullgraph.comm.messages import send_encoded, send_rows
+from lightning_fullgraph.comm.plan import HaloPlan
 from lightning_fullgraph.comm.quantize import META_NBYTES
 from lightning_fullgraph.comm.transport import HaloTransport
 

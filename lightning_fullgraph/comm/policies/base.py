@@ -55,8 +55,8 @@ import torch
 from torch import Tensor
 
 from lightning_fullgraph.comm.path import Exchanger, Pending
-from lightning_fullgraph.comm.quantize import SUPPORTED_BITS
 from lightning_fullgraph.comm.plan import HaloPlan
+from lightning_fullgraph.comm.quantize import SUPPORTED_BITS
 
 __all__ = ["FIXED_BITS", "CompressionPolicy", "ControlFn", "PolicyEnv", "check_bits"]
 

@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_fullgraph.comm.plan import DIRECTIONS
 from lightning_fullgraph.comm.policies.adaqp.milp import (
     ADAPTIVE_BITS,
     AssignmentProblem,
@@ -77,7 +78,6 @@ from lightning_fullgraph.comm.policies.adaqp.milp import (
 )
 from lightning_fullgraph.comm.policies.base import ControlFn
 from lightning_fullgraph.comm.quantize import META_NBYTES
-from lightning_fullgraph.comm.plan import DIRECTIONS
 
 __all__ = [
     "MessageStats",
