@@ -1114,7 +1114,7 @@ def partition_main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit(f"{PROG} partition: cannot use {given}: {reason}")
         result = PartitionResult(folder=given, rebuilt=False, reason="partition folder given")
     else:
-        from lightning_fullgraph.generated import generated_fingerprint, is_generated_name
+        from lightning_fullgraph.data.datasets import generated_fingerprint, is_generated_name
 
         kwargs = args.dataset_kwargs or {}
         graph: Any

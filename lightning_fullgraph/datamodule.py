@@ -67,14 +67,14 @@ def load_graph(data: Any, root: str | os.PathLike | None = None, **kwargs: Any) 
 
     Args:
         data: A ``Data``; a PyG dataset (its first graph); or a dataset name for
-            :func:`lightning_fullgraph.datasets.load_dataset` (with ``root``).
+            :func:`lightning_fullgraph.data.datasets.load_dataset` (with ``root``).
         root: Folder of the dataset for named datasets.
         **kwargs: Passed to ``load_dataset`` for named datasets.
     """
     if isinstance(data, Data):
         return data
     if isinstance(data, str):
-        from lightning_fullgraph.datasets import load_dataset
+        from lightning_fullgraph.data.datasets import load_dataset
 
         return load_dataset(data, root=root, **kwargs)
     if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
@@ -178,7 +178,7 @@ class FullGraphDataModule(pl.LightningDataModule):
     Args:
         data: The graph: a PyG ``Data``, a PyG dataset with one graph, a dataset name
             (``"community"``, Planetoid names, OGB node-property names, ... see
-            :func:`lightning_fullgraph.datasets.load_dataset`), or the path of a partition
+            :func:`lightning_fullgraph.data.datasets.load_dataset`), or the path of a partition
             folder written by ``lightning-fullgraph partition`` (then the global graph is
             never loaded).
         num_parts: Number of parts; default (``None``) the trainer's world size.  It must
@@ -311,7 +311,7 @@ class FullGraphDataModule(pl.LightningDataModule):
                 raise RuntimeError(f"data={self.data!r} is a partition folder: the global graph is not loaded")
             kwargs = dict(self.dataset_kwargs)
             remaining = self.split
-            from lightning_fullgraph.datasets import is_synthetic_name
+            from lightning_fullgraph.data.datasets import is_synthetic_name
 
             if isinstance(self.data, str) and not is_synthetic_name(self.data):
                 # load_dataset selects the split itself (and drops the other columns).
@@ -373,7 +373,7 @@ class FullGraphDataModule(pl.LightningDataModule):
         fingerprint = None
         if self._generated():
             # keyed by (name, arguments, generator version): a cache hit never generates it
-            from lightning_fullgraph.generated import generated_fingerprint
+            from lightning_fullgraph.data.datasets import generated_fingerprint
 
             fingerprint = generated_fingerprint(self.data, **self.dataset_kwargs)
         if fingerprint is None or self._graph is not None:
@@ -392,8 +392,8 @@ class FullGraphDataModule(pl.LightningDataModule):
             self._graph = None
 
     def _generated(self) -> bool:
-        """Whether ``data`` names a generated graph (:mod:`lightning_fullgraph.generated`)."""
-        from lightning_fullgraph.generated import is_generated_name
+        """Whether ``data`` names a generated graph (:mod:`lightning_fullgraph.data.datasets.products_like`)."""
+        from lightning_fullgraph.data.datasets import is_generated_name
 
         return is_generated_name(self.data)
 
