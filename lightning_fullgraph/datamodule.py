@@ -27,6 +27,12 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from torch_geometric.data import Data
 
+from lightning_fullgraph.data.validation import (
+    MASK_KEYS,
+    GraphValidationError,
+    mask_dtype_problem,
+    validate_graph,
+)
 from lightning_fullgraph.partition.cache import (
     PartitionCacheError,
     PartitionResult,
@@ -38,7 +44,6 @@ from lightning_fullgraph.partition.cache import (
 from lightning_fullgraph.partition.partitioner import BALANCE_MODES, PARTITION_METHODS
 from lightning_fullgraph.partition.plan import LocalPartition
 from lightning_fullgraph.preflight import check_num_parts
-from lightning_fullgraph.validation import MASK_KEYS, GraphValidationError, mask_dtype_problem, validate_graph
 
 __all__ = ["FullGraphDataModule", "load_graph", "select_mask_split"]
 
@@ -119,7 +124,7 @@ def select_mask_split(data: Data, split: int = 0, mask_keys: Iterable[str] = ())
     examples do (``data.train_mask[:, split]``).  Other attributes, and masks that are not
     ``[N, S]`` (``validate_graph`` reports those), are left as they are; an ``[N, S]`` mask
     that is not bool under ``train_mask``, ``val_mask``, ``test_mask`` or a key of
-    ``mask_keys`` is refused with :func:`~lightning_fullgraph.validation.mask_dtype_problem`'s
+    ``mask_keys`` is refused with :func:`~lightning_fullgraph.data.validation.mask_dtype_problem`'s
     message (convert it with ``mask != 0``), whatever ``split``.
 
     Args:
@@ -135,7 +140,7 @@ def select_mask_split(data: Data, split: int = 0, mask_keys: Iterable[str] = ())
         ValueError: ``split`` is not in ``[0, S)`` for a mask with ``S`` columns; or
             ``split != 0`` but no mask has several splits (the split asked for does not
             exist, and silently training on the only one would be a different experiment);
-            or (a :class:`~lightning_fullgraph.validation.GraphValidationError`) an ``[N, S]``
+            or (a :class:`~lightning_fullgraph.data.validation.GraphValidationError`) an ``[N, S]``
             node mask is not bool.
     """
     split = _check_split(split)

@@ -128,7 +128,7 @@ def check_data(
 
     ``num_parts`` against the world size; a partition folder's part count; with
     ``load_graph`` (or a graph already loaded), the global graph
-    (:func:`~lightning_fullgraph.validation.validate_graph`: masks, a training node with
+    (:func:`~lightning_fullgraph.data.validation.validate_graph`: masks, a training node with
     ``require_train``, ids, shapes...).  The loaded graph stays cached on the datamodule.
 
     Args:

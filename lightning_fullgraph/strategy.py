@@ -42,6 +42,7 @@ from typing_extensions import override
 from lightning_fullgraph._warnings import ScopedWarningFilter, leafspec_filter
 from lightning_fullgraph.comm.exchange import HaloExchanger
 from lightning_fullgraph.comm.policy import POLICIES, CompressionPolicy, PolicyEnv, make_policy
+from lightning_fullgraph.data.validation import all_finite
 from lightning_fullgraph.metrics import CommMetricsLogger
 from lightning_fullgraph.nn.adapters import HaloContext, install_adapters, uninstall_adapters
 from lightning_fullgraph.preflight import missing_datamodule_error
@@ -58,7 +59,6 @@ from lightning_fullgraph.training import (
     stage_nodes,
     warn_non_exact_layers,
 )
-from lightning_fullgraph.validation import all_finite
 
 if TYPE_CHECKING:
     from lightning_fullgraph.partition.plan import LocalPartition

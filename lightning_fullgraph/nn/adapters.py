@@ -91,6 +91,7 @@ from torch_geometric.nn.conv import (
 from torch_geometric.utils import add_remaining_self_loops, scatter
 
 from lightning_fullgraph.comm.exchange import HaloExchanger
+from lightning_fullgraph.data.validation import all_finite
 from lightning_fullgraph.nn.sparse import (
     DerivedCache,
     SplitBlocks,
@@ -101,7 +102,6 @@ from lightning_fullgraph.nn.sparse import (
     split_blocks,
     spmm,
 )
-from lightning_fullgraph.validation import all_finite
 
 __all__ = [
     "AdapterHandle",

@@ -16,6 +16,7 @@ from torch import nn
 from torch_geometric.nn import ChebConv, GCNConv, MessagePassing
 
 from lightning_fullgraph import FullGraphDataModule, FullGraphStrategy, UnsupportedConvError
+from lightning_fullgraph.data.validation import GraphValidationError
 from lightning_fullgraph.launch import report
 from lightning_fullgraph.nn.adapters import install_adapters
 from lightning_fullgraph.preflight import (
@@ -27,7 +28,6 @@ from lightning_fullgraph.preflight import (
     require_datamodule,
     world_size,
 )
-from lightning_fullgraph.validation import GraphValidationError
 from tests.helpers import NodeClassifier, directed_graph
 
 

@@ -1,4 +1,4 @@
-"""Unit tests for lightning_fullgraph.validation."""
+"""Unit tests for lightning_fullgraph.data.validation."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch_geometric.data import Data
 
+from lightning_fullgraph.data.validation import GraphValidationError, all_finite, validate_graph
 from lightning_fullgraph.partition.cache import graph_fingerprint
-from lightning_fullgraph.validation import GraphValidationError, all_finite, validate_graph
 
 N = 10  # nodes of the base graph
 E = 24  # edges of the base graph
