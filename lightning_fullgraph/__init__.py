@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_fullgraph.comm.exchange import HaloExchanger
 from lightning_fullgraph.comm.policy import AdaQPPolicy, CompressionPolicy, ExactPolicy, SylviePolicy
 from lightning_fullgraph.comm.transport import CommStats
-from lightning_fullgraph.datamodule import FullGraphDataModule
+from lightning_fullgraph.data.datamodule import FullGraphDataModule
 from lightning_fullgraph.nn.adapters import UnsupportedConvError, register_conv_adapter, supported_convs
 from lightning_fullgraph.partition.plan import HaloPlan, LocalPartition
 from lightning_fullgraph.strategy import MODES, FullGraphStrategy

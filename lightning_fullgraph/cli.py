@@ -156,7 +156,7 @@ class FullGraphCLI(LightningCLI):
     """
 
     def __init__(self, args: Any = None, **kwargs: Any) -> None:
-        from lightning_fullgraph.datamodule import FullGraphDataModule
+        from lightning_fullgraph.data.datamodule import FullGraphDataModule
 
         # Any LightningModule (subclass mode, default class_path: GNNNodeClassifier).
         kwargs.setdefault("model_class", LightningModule)
@@ -1097,7 +1097,7 @@ def partition_main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"{PROG} partition: --dataset-kwargs must be a JSON object")
 
     from lightning_fullgraph._os import max_rss_mib
-    from lightning_fullgraph.datamodule import load_graph
+    from lightning_fullgraph.data.datamodule import load_graph
     from lightning_fullgraph.partition.cache import (
         PartitionResult,
         check_manifest,

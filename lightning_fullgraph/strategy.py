@@ -295,7 +295,7 @@ class FullGraphStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        from lightning_fullgraph.datamodule import FullGraphDataModule
+        from lightning_fullgraph.data.datamodule import FullGraphDataModule
 
         datamodule = trainer.datamodule
         if not isinstance(datamodule, FullGraphDataModule):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch_geometric.data import Data
 
-import lightning_fullgraph.datamodule as datamodule_module
+import lightning_fullgraph.data.datamodule as datamodule_module
 from lightning_fullgraph import FullGraphDataModule
 from lightning_fullgraph.models import GNNNodeClassifier
 from lightning_fullgraph.partition.cache import ensure_partitions, load_part

@@ -68,7 +68,7 @@ def test_python_started_from_the_temporary_folder_imports_the_package_after_a_ru
     assert run.returncode == 0, run.stderr[-3000:]
     imported = _run(_IMPORT, tmp, env)
     assert imported.returncode == 0, imported.stderr[-3000:]
-    assert imported.stdout.strip() == "lightning_fullgraph.datamodule"
+    assert imported.stdout.strip() == "lightning_fullgraph.data.datamodule"
     folder = Path(run.stdout.strip().splitlines()[-1])
     assert folder.parent == tmp_path / "home" / ".cache" / "lightning-fullgraph" / "partitions", folder
     assert (folder / "manifest.json").is_file()

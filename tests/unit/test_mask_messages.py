@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lightning_fullgraph import FullGraphDataModule
+from lightning_fullgraph.data.datamodule import select_mask_split
 from lightning_fullgraph.data.validation import GraphValidationError, validate_graph
-from lightning_fullgraph.datamodule import select_mask_split
 from lightning_fullgraph.preflight import check_data
 from tests.helpers import directed_graph
 

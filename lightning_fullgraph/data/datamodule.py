@@ -43,9 +43,8 @@ from lightning_fullgraph.partition.cache import (
 )
 from lightning_fullgraph.partition.partitioner import BALANCE_MODES, PARTITION_METHODS
 from lightning_fullgraph.partition.plan import LocalPartition
-from lightning_fullgraph.preflight import check_num_parts
 
-__all__ = ["FullGraphDataModule", "load_graph", "select_mask_split"]
+__all__ = ["FullGraphDataModule", "check_num_parts", "load_graph", "select_mask_split"]
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +89,26 @@ def load_graph(data: Any, root: str | os.PathLike | None = None, **kwargs: Any) 
             raise TypeError(f"the dataset's item is a {type(graph).__name__}, not a torch_geometric Data")
         return graph
     raise TypeError(f"`data` must be a torch_geometric Data, a PyG dataset or a dataset name; got {type(data).__name__}")
+
+
+def check_num_parts(num_parts: int | None, world_size: int) -> int:
+    """The number of parts a run of ``world_size`` ranks trains on.
+
+    Args:
+        num_parts: ``FullGraphDataModule(num_parts=...)``; ``None`` means one per rank.
+        world_size: The run's ranks (``num_nodes * devices``).
+
+    Raises:
+        ValueError: ``num_parts`` is set and differs from ``world_size`` (each rank trains
+            exactly one part), with the two ways to fix it.
+    """
+    parts = num_parts or world_size
+    if parts != world_size:
+        raise ValueError(
+            f"FullGraphDataModule(num_parts={parts}) but the trainer runs {world_size} rank(s); each rank "
+            f"trains one part: set num_parts=None (or {world_size}), or run with {parts} devices"
+        )
+    return parts
 
 
 def _check_split(split: Any) -> int:
@@ -279,9 +298,13 @@ class FullGraphDataModule(pl.LightningDataModule):
             return 0, 1
         return trainer.global_rank, trainer.world_size
 
-    def _expected_parts(self, world_size: int | None = None) -> int:
+    def expected_parts(self, world_size: int | None = None) -> int:
         """The number of parts: ``num_parts``, which must equal the world size (``world_size``,
-        default the attached trainer's; without a trainer ``num_parts`` is not checked)."""
+        default the attached trainer's; without a trainer ``num_parts`` is not checked).
+
+        Raises:
+            ValueError: :func:`check_num_parts`'s, parts that differ from the ranks.
+        """
         if world_size is None:
             _, world_size = self._world()
             if self.trainer is None:
@@ -335,9 +358,9 @@ class FullGraphDataModule(pl.LightningDataModule):
                 )
         return self._graph
 
-    def _check_data(self, parts: int, load_graph: bool = True) -> Path | None:
+    def check_data(self, parts: int, load_graph: bool = True) -> Path | None:
         """The checks before partitioning (``prepare_data``; also the launcher's, before any
-        rank starts: :mod:`lightning_fullgraph.preflight`).  A partition folder given as
+        rank starts: :mod:`lightning_fullgraph.launch.preflight`).  A partition folder given as
         ``data`` must hold ``parts`` parts; otherwise the global graph must pass
         :func:`validate_graph` (checked when ``load_graph`` or already loaded; it stays
         cached).  Returns the partition folder given as ``data``, if any."""
@@ -364,8 +387,8 @@ class FullGraphDataModule(pl.LightningDataModule):
     # -- Lightning hooks ------------------------------------------------------------------
     def prepare_data(self) -> None:
         """Partitions the graph into the cache unless a valid partition exists (once per node)."""
-        parts = self._expected_parts()
-        given = self._check_data(parts)
+        parts = self.expected_parts()
+        given = self.check_data(parts)
         self._prepared_as = None
         if given is not None:
             manifest = read_manifest(given)
@@ -439,7 +462,7 @@ class FullGraphDataModule(pl.LightningDataModule):
         self.local_partition = None
         self._loaded_as = None
         if trainer is None:
-            parts = self._expected_parts()
+            parts = self.expected_parts()
             if self._folder is None or self._prepared_as != (parts, ident):
                 self.prepare_data()
             folder = self._folder
