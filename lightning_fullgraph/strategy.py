@@ -43,9 +43,9 @@ from lightning_fullgraph._warnings import ScopedWarningFilter, leafspec_filter
 from lightning_fullgraph.comm.exchange import HaloExchanger
 from lightning_fullgraph.comm.policy import POLICIES, CompressionPolicy, PolicyEnv, make_policy
 from lightning_fullgraph.data.validation import all_finite
+from lightning_fullgraph.launch.preflight import missing_datamodule_error
 from lightning_fullgraph.metrics import CommMetricsLogger
 from lightning_fullgraph.nn.adapters import HaloContext, install_adapters, uninstall_adapters
-from lightning_fullgraph.preflight import missing_datamodule_error
 from lightning_fullgraph.training import (
     LOSS_WEIGHTINGS,
     all_reduce_gradients,

@@ -44,7 +44,7 @@ from lightning_fullgraph.partition.cache import (
 from lightning_fullgraph.partition.partitioner import BALANCE_MODES, PARTITION_METHODS
 from lightning_fullgraph.partition.plan import LocalPartition
 
-__all__ = ["FullGraphDataModule", "check_num_parts", "load_graph", "select_mask_split"]
+__all__ = ["FullGraphDataModule", "check_num_parts", "load_graph", "select_mask_split", "selected_anyway"]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,13 @@ def load_graph(data: Any, root: str | os.PathLike | None = None, **kwargs: Any) 
             raise TypeError(f"the dataset's item is a {type(graph).__name__}, not a torch_geometric Data")
         return graph
     raise TypeError(f"`data` must be a torch_geometric Data, a PyG dataset or a dataset name; got {type(data).__name__}")
+
+
+def selected_anyway(mask_key: str) -> bool:
+    """Whether :func:`select_mask_split` selects the node mask ``mask_key`` whatever the
+    strategy's ``mask_key`` is: ``train_mask``, ``val_mask``, ``test_mask`` and every key
+    ending in ``_mask`` (another ``mask_key`` changes what is selected)."""
+    return mask_key in MASK_KEYS or mask_key.endswith("_mask")
 
 
 def check_num_parts(num_parts: int | None, world_size: int) -> int:
@@ -326,7 +333,7 @@ class FullGraphDataModule(pl.LightningDataModule):
         """The keys of :meth:`_mask_keys` that change what :func:`select_mask_split` selects
         (``train_mask``, ``val_mask``, ``test_mask`` and ``*_mask`` are selected anyway): what a
         loaded graph, partition folder or part must have been made for to be reused."""
-        return tuple(k for k in self._mask_keys() if k not in MASK_KEYS and not k.endswith("_mask"))
+        return tuple(k for k in self._mask_keys() if not selected_anyway(k))
 
     def global_graph(self) -> Data:
         """The whole graph (loaded on first use) with column ``split`` of every ``[N, S]``

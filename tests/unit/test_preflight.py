@@ -1,4 +1,4 @@
-"""The launcher's checks before any rank starts (``lightning_fullgraph.preflight``) and the
+"""The launcher's checks before any rank starts (``lightning_fullgraph.launch.preflight``) and the
 rule deciding which rank of a popen run reports a failure (``launch.report.claim_report``).
 
 No process is started here: a Trainer is only constructed, and the trainer functions are
@@ -18,8 +18,7 @@ from torch_geometric.nn import ChebConv, GCNConv, MessagePassing
 from lightning_fullgraph import FullGraphDataModule, FullGraphStrategy, UnsupportedConvError
 from lightning_fullgraph.data.validation import GraphValidationError
 from lightning_fullgraph.launch import report
-from lightning_fullgraph.nn.adapters import install_adapters
-from lightning_fullgraph.preflight import (
+from lightning_fullgraph.launch.preflight import (
     check_before_launch,
     check_convs,
     check_data,
@@ -27,6 +26,7 @@ from lightning_fullgraph.preflight import (
     require_datamodule,
     world_size,
 )
+from lightning_fullgraph.nn.adapters import install_adapters
 from tests.helpers import NodeClassifier, directed_graph
 
 

@@ -24,14 +24,13 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from torch_geometric.nn import MessagePassing
 
-if TYPE_CHECKING:
-    from lightning_fullgraph.data.datamodule import FullGraphDataModule
+from lightning_fullgraph.data.datamodule import FullGraphDataModule, selected_anyway
 
 __all__ = [
     "check_before_launch",
@@ -49,9 +48,6 @@ log = logging.getLogger(__name__)
 _TRAINER_FUNCTIONS = ("_fit_impl", "_validate_impl", "_test_impl", "_predict_impl")
 #: Arguments of those functions that may hold a LightningDataModule instead of dataloaders.
 _LOADER_ARGUMENTS = ("train_dataloaders", "dataloaders")
-#: Node masks :func:`~lightning_fullgraph.data.datamodule.select_mask_split` selects whatever the
-#: strategy's ``mask_key`` is (it also takes every key ending in ``_mask``).
-_DEFAULT_MASK_KEYS = ("train_mask", "val_mask", "test_mask")
 
 
 def world_size(strategy: Any) -> int:
@@ -77,8 +73,6 @@ def require_datamodule(datamodule: object) -> FullGraphDataModule:
     Raises:
         TypeError: :func:`missing_datamodule_error` otherwise.
     """
-    from lightning_fullgraph.data.datamodule import FullGraphDataModule
-
     if not isinstance(datamodule, FullGraphDataModule):
         raise missing_datamodule_error(datamodule)
     return datamodule
@@ -124,7 +118,7 @@ def check_data(
         GraphValidationError: the graph cannot be trained on (the message has the fix).
     """
     parts = datamodule.expected_parts(world_size)
-    same_masks = mask_key in _DEFAULT_MASK_KEYS or mask_key.endswith("_mask")
+    same_masks = selected_anyway(mask_key)
     datamodule.check_data(parts, load_graph=load_graph and same_masks)
 
 
