@@ -1,4 +1,5 @@
-"""The datamodule's own rules about its arguments (:mod:`lightning_fullgraph.data.datamodule`):
+"""The datamodule's own rules about its arguments (:mod:`lightning_fullgraph.data.datamodule`).
+
 ``num_parts`` against the world size, with and without a trainer."""
 
 from __future__ import annotations
