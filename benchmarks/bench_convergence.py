@@ -89,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # -- graphs ------------------------------------------------------------------------------
 def load_graph(name: str, nodes: int, cache_dir: Path):
     """(data, metric): ``metric`` is ``"accuracy"`` or ``"rocauc"``."""
-    from lightning_fullgraph.datasets import community_graph, load_dataset
+    from lightning_fullgraph.data.datasets import community_graph, load_dataset
 
     if name == "lowloc":
         # the low-locality graph of tests/integration/test_convergence.py (55 % halo at 4 parts)
@@ -100,7 +100,7 @@ def load_graph(name: str, nodes: int, cache_dir: Path):
     if name == "tolokers":
         return load_dataset("tolokers", root=SHARED / "Heterophilous", cache_dir=cache_dir), "rocauc"
     if name == "products-like":
-        from lightning_fullgraph.generated import products_like_graph
+        from lightning_fullgraph.data.datasets import products_like_graph
 
         return products_like_graph(num_nodes=nodes, seed=0), "accuracy"
     raise ValueError(f"graph {name!r}; choose from {GRAPHS}")

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from lightning_fullgraph.generated import products_like_graph
+    from lightning_fullgraph.data.datasets import products_like_graph
     from lightning_fullgraph.nn.sparse import csr_adjacency, csr_mm, csr_transpose
     from lightning_fullgraph.partition.partitioner import partition_graph
     from lightning_fullgraph.partition.planner import NODE_ORDERS, PartitionPlanner

@@ -73,7 +73,7 @@ _GEN_SNIPPET = r"""
 import json, os, sys, time
 t0 = time.perf_counter()
 import torch
-from lightning_fullgraph.generated import products_like_graph
+from lightning_fullgraph.data.datasets import products_like_graph
 from lightning_fullgraph._os import max_rss_mib  # VmHWM (ru_maxrss survives fork+exec)
 base = max_rss_mib()
 t1 = time.perf_counter()

@@ -395,7 +395,7 @@ COMMUNITY_AVG_DEGREE = [8.0]
 
 
 def load_graph(kind: str, nodes: int, cache_dir: Path, seed: int):
-    from lightning_fullgraph.datasets import community_graph, load_dataset
+    from lightning_fullgraph.data.datasets import community_graph, load_dataset
 
     if kind == "community":
         size = f"{nodes / 1e6:g}M" if nodes >= 10**6 else f"{nodes / 1e3:g}k" if nodes >= 1000 else str(nodes)
@@ -405,7 +405,7 @@ def load_graph(kind: str, nodes: int, cache_dir: Path, seed: int):
             key, label = f"{key}-d{deg:g}", f"{label}, mean degree {deg:g}"
         return community_graph(num_nodes=nodes, avg_degree=deg, seed=seed), key, label
     if kind == "products-like":
-        from lightning_fullgraph.generated import products_like_graph
+        from lightning_fullgraph.data.datasets import products_like_graph
 
         size = f"{nodes / 1e6:g}M" if nodes >= 10**6 else f"{nodes / 1e3:g}k"
         return products_like_graph(num_nodes=nodes, seed=seed), f"products-like-{nodes}", f"products-like {size}"

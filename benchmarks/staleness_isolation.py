@@ -83,7 +83,7 @@ def simulate(a: argparse.Namespace) -> dict:
     import torch.nn.functional as F
     from torch_geometric.utils import add_remaining_self_loops, scatter
 
-    from lightning_fullgraph.datasets import community_graph
+    from lightning_fullgraph.data.datasets import community_graph
     from lightning_fullgraph.partition.partitioner import partition_graph
 
     torch.set_num_threads(1)

@@ -13,7 +13,7 @@ from lightning_fullgraph.comm.exchange import HaloExchanger
 from lightning_fullgraph.comm.plan import HaloPlan, LocalPartition
 from lightning_fullgraph.comm.policies import MODES, AdaQPPolicy, CompressionPolicy, ExactPolicy, SylviePolicy
 from lightning_fullgraph.comm.transport import CommStats
-from lightning_fullgraph.datamodule import FullGraphDataModule
+from lightning_fullgraph.data.datamodule import FullGraphDataModule
 from lightning_fullgraph.nn.errors import UnsupportedConvError
 from lightning_fullgraph.nn.registry import register_conv_adapter, supported_convs
 from lightning_fullgraph.strategy import FullGraphStrategy

@@ -156,7 +156,7 @@ class FullGraphCLI(LightningCLI):
     """
 
     def __init__(self, args: Any = None, **kwargs: Any) -> None:
-        from lightning_fullgraph.datamodule import FullGraphDataModule
+        from lightning_fullgraph.data.datamodule import FullGraphDataModule
 
         # Any LightningModule (subclass mode, default class_path: GNNNodeClassifier).
         kwargs.setdefault("model_class", LightningModule)
@@ -934,7 +934,7 @@ _CLI_LITERALS = {"True": "true", "False": "false", "None": "null"}
 
 
 def _found_before_launch(err: BaseException) -> bool:
-    """Whether the launcher's checks (:func:`lightning_fullgraph.preflight.check_before_launch`),
+    """Whether the launcher's checks (:func:`lightning_fullgraph.launch.preflight.check_before_launch`),
     which run before any rank starts, raised ``err``."""
     tb = err.__traceback__
     while tb is not None:
@@ -1097,7 +1097,7 @@ def partition_main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"{PROG} partition: --dataset-kwargs must be a JSON object")
 
     from lightning_fullgraph._os import max_rss_mib
-    from lightning_fullgraph.datamodule import load_graph
+    from lightning_fullgraph.data.datamodule import load_graph
     from lightning_fullgraph.partition.cache import (
         PartitionResult,
         check_manifest,
@@ -1114,7 +1114,7 @@ def partition_main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit(f"{PROG} partition: cannot use {given}: {reason}")
         result = PartitionResult(folder=given, rebuilt=False, reason="partition folder given")
     else:
-        from lightning_fullgraph.generated import generated_fingerprint, is_generated_name
+        from lightning_fullgraph.data.datasets import generated_fingerprint, is_generated_name
 
         kwargs = args.dataset_kwargs or {}
         graph: Any

@@ -43,10 +43,11 @@ from lightning_fullgraph._warnings import ScopedWarningFilter, leafspec_filter
 from lightning_fullgraph.comm.exchange import HaloExchanger
 from lightning_fullgraph.comm.policies import MODES, CompressionPolicy, PolicyEnv, make_policy
 from lightning_fullgraph.comm.policies.modes import overlap_by_default
+from lightning_fullgraph.data.validation import all_finite
+from lightning_fullgraph.launch.preflight import missing_datamodule_error
 from lightning_fullgraph.metrics import CommMetricsLogger
 from lightning_fullgraph.nn.context import HaloContext
 from lightning_fullgraph.nn.patch import install_adapters, uninstall_adapters
-from lightning_fullgraph.preflight import missing_datamodule_error
 from lightning_fullgraph.training import (
     LOSS_WEIGHTINGS,
     all_reduce_gradients,
@@ -60,7 +61,6 @@ from lightning_fullgraph.training import (
     stage_nodes,
     warn_non_exact_layers,
 )
-from lightning_fullgraph.validation import all_finite
 
 if TYPE_CHECKING:
     from lightning_fullgraph.comm.plan import LocalPartition
@@ -295,11 +295,11 @@ class FullGraphStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        from lightning_fullgraph.datamodule import FullGraphDataModule
+        from lightning_fullgraph.data.datamodule import FullGraphDataModule
 
         datamodule = trainer.datamodule
         if not isinstance(datamodule, FullGraphDataModule):
-            # (normally found by the launcher already: lightning_fullgraph.preflight)
+            # (normally found by the launcher already: lightning_fullgraph.launch.preflight)
             raise missing_datamodule_error(datamodule)
         partition = datamodule.local_partition
         if partition is None:

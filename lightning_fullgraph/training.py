@@ -27,7 +27,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from lightning_fullgraph.validation import all_finite
+from lightning_fullgraph.data.validation import all_finite
 
 if TYPE_CHECKING:
     from lightning_fullgraph.comm.plan import LocalPartition

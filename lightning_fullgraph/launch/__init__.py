@@ -3,7 +3,9 @@
 * :mod:`~lightning_fullgraph.launch.guard`: signals and exit status (``ShutdownGuard``);
 * :mod:`~lightning_fullgraph.launch.report`: each error reported once, by the rank that found it;
 * :mod:`~lightning_fullgraph.launch.launchers`: the ``popen`` and ``fork``/``spawn`` launchers,
-  the launcher's checks before any rank starts, child supervision.
+  the launcher's checks before any rank starts, child supervision;
+* :mod:`~lightning_fullgraph.launch.preflight`: those checks, on the datamodule's public API
+  (imported where used, not here: it imports the datamodule).
 """
 
 from lightning_fullgraph.launch.guard import GRACE, KILL_AFTER, ShutdownGuard, active_guard

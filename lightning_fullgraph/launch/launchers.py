@@ -1,6 +1,6 @@
 """Lightning's two launchers (``popen``: each rank re-runs the script; ``fork``/``spawn``)
 with this package's rules: the launcher's checks before any rank starts
-(:mod:`lightning_fullgraph.preflight`), the shutdown guard in every rank
+(:mod:`lightning_fullgraph.launch.preflight`), the shutdown guard in every rank
 (:mod:`~lightning_fullgraph.launch.guard`), each error reported once
 (:mod:`~lightning_fullgraph.launch.report`), and no rank outliving its launcher.
 
@@ -176,9 +176,9 @@ def _timeout_seconds(strategy: Any) -> float:
 def _preflight(
     trainer: Any, function: Callable, args: tuple, kwargs: dict, load_graph: bool, environment: Any
 ) -> None:
-    """:func:`lightning_fullgraph.preflight.check_before_launch`; an error it finds is raised
+    """:func:`lightning_fullgraph.launch.preflight.check_before_launch`; an error it finds is raised
     without the checks' own frames (its message says what to fix)."""
-    from lightning_fullgraph.preflight import check_before_launch
+    from lightning_fullgraph.launch.preflight import check_before_launch
 
     node_rank = environment.node_rank() if environment is not None else 0
     found: Exception | None = None

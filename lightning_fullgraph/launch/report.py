@@ -2,7 +2,7 @@
 
 * Configuration errors every rank would hit (parts that do not match the ranks, a graph
   without training nodes, an unsupported conv, no FullGraphDataModule) are found by the
-  launcher before it starts any rank (:mod:`lightning_fullgraph.preflight`): one ordinary
+  launcher before it starts any rank (:mod:`lightning_fullgraph.launch.preflight`): one ordinary
   exception, no rank started, no process-group timeout.
 * In a ``popen`` run, the rank that finds an error reports it (prints it) and its peers,
   which then lose it (closed connection, timeout) or raise the same error, end quietly with

@@ -28,10 +28,10 @@ from torch import Tensor, nn
 from torch_geometric.nn import MessagePassing
 from torch_geometric.nn.conv import GCNConv
 
+from lightning_fullgraph.data.validation import all_finite
 from lightning_fullgraph.nn.context import HaloContext
 from lightning_fullgraph.nn.families import SPARSE_VALUES
 from lightning_fullgraph.nn.registry import ConvAdapter, check_installable, find_adapter
-from lightning_fullgraph.validation import all_finite
 
 __all__ = ["AdapterHandle", "install_adapters", "uninstall_adapters"]
 

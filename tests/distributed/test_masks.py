@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch_geometric.data import Data
 
-import lightning_fullgraph.datamodule as datamodule_module
+import lightning_fullgraph.data.datamodule as datamodule_module
 from lightning_fullgraph import FullGraphDataModule
 from lightning_fullgraph.models import GNNNodeClassifier
 from lightning_fullgraph.partition.cache import ensure_partitions, load_part
@@ -171,7 +171,7 @@ def test_a_partition_folder_with_multi_split_masks_is_selected_per_rank(tmp_path
 
 def test_named_dataset_gets_the_split(shared_datasets, tmp_path) -> None:
     """``FullGraphDataModule("tolokers", split=k)`` trains ``load_dataset(split=k)``'s masks."""
-    from lightning_fullgraph.datasets import load_dataset
+    from lightning_fullgraph.data.datasets import load_dataset
 
     root = shared_datasets / "Heterophilous"
     folders = {}

@@ -29,7 +29,7 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_fullgraph import FullGraphDataModule, FullGraphStrategy
-from lightning_fullgraph.datasets import load_dataset
+from lightning_fullgraph.data.datasets import load_dataset
 from lightning_fullgraph.models import GNNNodeClassifier
 from tests.conftest import SHARED_DATASETS
 

@@ -29,7 +29,7 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_fullgraph import FullGraphDataModule, FullGraphStrategy
-from lightning_fullgraph.datasets import community_graph
+from lightning_fullgraph.data.datasets import community_graph
 from lightning_fullgraph.models import GNNNodeClassifier
 from lightning_fullgraph.partition.cache import load_part
 

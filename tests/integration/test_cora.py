@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_fullgraph import FullGraphDataModule
-from lightning_fullgraph.datasets import load_dataset
+from lightning_fullgraph.data.datasets import load_dataset
 from lightning_fullgraph.models import GNNNodeClassifier
 from tests.helpers import cpu_trainer
 

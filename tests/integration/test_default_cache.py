@@ -68,7 +68,7 @@ def test_python_started_from_the_temporary_folder_imports_the_package_after_a_ru
     assert run.returncode == 0, run.stderr[-3000:]
     imported = _run(_IMPORT, tmp, env)
     assert imported.returncode == 0, imported.stderr[-3000:]
-    assert imported.stdout.strip() == "lightning_fullgraph.datamodule"
+    assert imported.stdout.strip() == "lightning_fullgraph.data.datamodule"
     folder = Path(run.stdout.strip().splitlines()[-1])
     assert folder.parent == tmp_path / "home" / ".cache" / "lightning-fullgraph" / "partitions", folder
     assert (folder / "manifest.json").is_file()
@@ -150,7 +150,7 @@ def test_the_dataset_cache_is_hyphenated_and_an_old_one_is_kept_with_a_warning(
     version's ``~/.cache/lightning_fullgraph/datasets`` (its downloads) is used while the new
     one does not exist, with one warning giving the command that moves it.  Negative control:
     the former ``_default_cache_dir`` returns the underscore folder -> the first assert fails."""
-    from lightning_fullgraph import datasets
+    from lightning_fullgraph.data.datasets import public as datasets
 
     home = tmp_path / "home"
     monkeypatch.delenv(datasets.CACHE_ENV_VAR, raising=False)

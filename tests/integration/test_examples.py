@@ -35,7 +35,7 @@ from torchmetrics.classification import BinaryAUROC, MulticlassAUROC
 
 from lightning_fullgraph import FullGraphDataModule, FullGraphStrategy
 from lightning_fullgraph.cli import FullGraphCLI, main
-from lightning_fullgraph.datasets import community_graph
+from lightning_fullgraph.data.datasets import community_graph
 from lightning_fullgraph.models import GNNNodeClassifier
 from tests.conftest import REPO, free_port
 from tests.helpers import cpu_trainer

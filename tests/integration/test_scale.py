@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import lightning_fullgraph.generated as generated
+import lightning_fullgraph.data.datasets.products_like as generated
 from lightning_fullgraph import FullGraphDataModule
 from lightning_fullgraph.cli import partition_main
 from lightning_fullgraph.models import GNNNodeClassifier

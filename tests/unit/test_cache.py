@@ -280,7 +280,7 @@ def test_datamodule_arguments_are_validated() -> None:
 
 def test_bad_input_is_refused_before_partitioning(tmp_path, monkeypatch) -> None:
     import lightning_fullgraph.partition.partitioner as partitioner
-    from lightning_fullgraph.validation import GraphValidationError
+    from lightning_fullgraph.data.validation import GraphValidationError
 
     monkeypatch.setattr(partitioner, "partition_graph", lambda *a, **k: pytest.fail("partitioned bad input"))
     data = directed_graph()

@@ -2,7 +2,7 @@
 named as such with the conversion for every ``split`` (not "no multi-split mask"), and a split
 without a training node names the split and the mask.  The same messages come from the
 datamodule (``prepare_data``/``setup``) and from the launcher's check before any rank starts
-(:func:`lightning_fullgraph.preflight.check_data`)."""
+(:func:`lightning_fullgraph.launch.preflight.check_data`)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from lightning_fullgraph import FullGraphDataModule
-from lightning_fullgraph.datamodule import select_mask_split
-from lightning_fullgraph.preflight import check_data
-from lightning_fullgraph.validation import GraphValidationError, validate_graph
+from lightning_fullgraph.data.datamodule import select_mask_split
+from lightning_fullgraph.data.validation import GraphValidationError, validate_graph
+from lightning_fullgraph.launch.preflight import check_data
 from tests.helpers import directed_graph
 
 S = 3

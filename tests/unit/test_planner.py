@@ -197,7 +197,7 @@ def test_locality_order_keeps_a_small_world_part_in_cache_sized_blocks() -> None
     with ``_start_part`` calling ``rcm_order`` for "locality" too, the same-block share
     falls to ~0.13 and the median distance to ~3.9k rows, and the assertions fail.  (Its
     parts are large enough to be numbered in forked children.)"""
-    from lightning_fullgraph.generated import products_like_graph
+    from lightning_fullgraph.data.datasets import products_like_graph
 
     n = 40_000
     data = products_like_graph(num_nodes=n, seed=0)

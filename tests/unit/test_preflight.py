@@ -1,4 +1,4 @@
-"""The launcher's checks before any rank starts (``lightning_fullgraph.preflight``) and the
+"""The launcher's checks before any rank starts (``lightning_fullgraph.launch.preflight``) and the
 rule deciding which rank of a popen run reports a failure (``launch.report.claim_report``).
 
 No process is started here: a Trainer is only constructed, and the trainer functions are
@@ -16,18 +16,17 @@ from torch import nn
 from torch_geometric.nn import ChebConv, GCNConv, MessagePassing
 
 from lightning_fullgraph import FullGraphDataModule, FullGraphStrategy, UnsupportedConvError
+from lightning_fullgraph.data.validation import GraphValidationError
 from lightning_fullgraph.launch import report
-from lightning_fullgraph.nn.patch import install_adapters
-from lightning_fullgraph.preflight import (
+from lightning_fullgraph.launch.preflight import (
     check_before_launch,
     check_convs,
     check_data,
-    check_num_parts,
     launch_target,
     require_datamodule,
     world_size,
 )
-from lightning_fullgraph.validation import GraphValidationError
+from lightning_fullgraph.nn.patch import install_adapters
 from tests.helpers import NodeClassifier, directed_graph
 
 
@@ -62,31 +61,11 @@ class _Custom(MessagePassing):
         return self.propagate(edge_index, x=x)
 
 
-# -- num_parts / world size ---------------------------------------------------------------
-def test_num_parts_must_equal_the_world_size() -> None:
-    """Negative control: ``check_num_parts`` returning ``num_parts`` unchecked fails the
-    ``raises``."""
-    assert check_num_parts(None, 3) == 3
-    assert check_num_parts(3, 3) == 3
-    with pytest.raises(ValueError, match=r"num_parts=2\) but the trainer runs 3 rank\(s\)") as err:
-        check_num_parts(2, 3)
-    assert "set num_parts=None (or 3), or run with 2 devices" in str(err.value)
-
-
+# -- world size ---------------------------------------------------------------------------
 def test_the_world_size_is_nodes_times_devices() -> None:
     """Negative control: ``world_size`` without ``num_nodes`` gives 3."""
     trainer = pl.Trainer(accelerator="cpu", devices=3, num_nodes=2, strategy="fullgraph_exact", logger=False)
     assert world_size(trainer.strategy) == 6
-
-
-def test_the_datamodule_counts_parts_against_a_given_world_size(tmp_path) -> None:
-    """``_expected_parts`` with no trainer and no world size checks nothing (as before); with
-    a world size it checks.  Negative control: ignoring ``world_size`` fails the ``raises``."""
-    dm = FullGraphDataModule(directed_graph(), num_parts=2, cache_dir=tmp_path)
-    assert dm._expected_parts() == 2
-    assert dm._expected_parts(2) == 2
-    with pytest.raises(ValueError, match="run with 2 devices"):
-        dm._expected_parts(3)
 
 
 # -- datamodule -----------------------------------------------------------------------------

@@ -66,7 +66,7 @@ def test_the_datamodule_does_not_import_the_strategy() -> None:
 
     from lightning_fullgraph import FullGraphStrategy
 
-    spec = importlib.util.find_spec("lightning_fullgraph.datamodule")
+    spec = importlib.util.find_spec("lightning_fullgraph.data.datamodule")
     assert spec is not None and spec.origin is not None
     tree = ast.parse(open(spec.origin).read())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}

@@ -1,4 +1,4 @@
-"""Unit tests for lightning_fullgraph.validation."""
+"""Unit tests for lightning_fullgraph.data.validation."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch_geometric.data import Data
 
+from lightning_fullgraph.data.validation import GraphValidationError, all_finite, validate_graph
 from lightning_fullgraph.partition.cache import graph_fingerprint
-from lightning_fullgraph.validation import GraphValidationError, all_finite, validate_graph
 
 N = 10  # nodes of the base graph
 E = 24  # edges of the base graph
@@ -280,7 +280,7 @@ def test_multi_split_masks_raw_accepted_training_sees_one_split() -> None:
     runs before validating and partitioning) hands validation and training ``[N]`` masks, and
     ``require_train`` then applies to that split alone.  Negative control: the raw graph passes
     although its column 1 has no training node; only the selected split is refused."""
-    from lightning_fullgraph.datamodule import select_mask_split
+    from lightning_fullgraph.data.datamodule import select_mask_split
 
     train = torch.zeros(N, 3, dtype=torch.bool)
     train[:4, 0] = True

@@ -203,7 +203,7 @@ def ensure_partitions(
         cache_root: Folder holding partition folders; default :func:`default_cache_root`.
         fingerprint: Precomputed :func:`graph_fingerprint` of ``data`` (computed if None), or
             any string that identifies the graph (e.g.
-            :func:`~lightning_fullgraph.generated.generated_fingerprint`).
+            :func:`~lightning_fullgraph.data.datasets.products_like.generated_fingerprint`).
         balance: ``"edges"`` (default: balance the in-edges each part aggregates) or
             ``"nodes"`` (balance node counts); part of the cache key (``"random"`` ignores
             it but the key still records what was asked for).

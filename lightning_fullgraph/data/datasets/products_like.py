@@ -5,7 +5,7 @@ ogbn-products (Amazon co-purchasing) has 2,449,029 nodes, 61,859,140 undirected 
 (mean 50.5, median about 26, maximum about 17,000), edge homophily about 0.81 and a
 196,615 / 39,323 / 2,213,091 train / validation / test split.  It cannot be downloaded
 here, so :func:`products_like_graph` generates a graph with those statistics, reachable by
-name (``"products-like"``) from :func:`~lightning_fullgraph.datasets.load_dataset`,
+name (``"products-like"``) from :func:`~lightning_fullgraph.data.datasets.load_dataset`,
 :class:`~lightning_fullgraph.FullGraphDataModule` and ``lightning-fullgraph partition``.
 
 Model (a degree-corrected stochastic block model, Chung-Lu inside and across classes):
@@ -58,7 +58,7 @@ the finished graph's own size (``edge_index`` + ``x`` + ``y`` + masks) plus ~100
 fixed-size chunk temporaries (the ``O(N)`` term includes the sampler's ``16 N``-byte guide
 table).  Measured (version 2): 1.2x at products' size (2.78 GiB graph, 3.3 GiB peak above
 the imports, 47 s on one core); the constant dominates at 10^5 nodes;
-``tests/unit/test_generated.py`` checks the bound.
+``tests/unit/test_products_like.py`` checks the bound.
 
 Determinism: only a private :class:`torch.Generator` seeded with ``seed`` is used, chunk
 sizes are constants, and every sort is of distinct keys, so the graph is identical for a
@@ -77,12 +77,12 @@ import torch
 from torch import Tensor
 from torch_geometric.data import Data
 
+from lightning_fullgraph.data.datasets.registry import GENERATED_NAMES, is_generated_name
+
 __all__ = [
-    "GENERATED_NAMES",
     "GENERATOR_VERSION",
     "PRODUCTS_STATS",
     "generated_fingerprint",
-    "is_generated_name",
     "products_like_graph",
 ]
 
@@ -100,9 +100,6 @@ PRODUCTS_STATS: dict[str, Any] = {
     "split": (196_615, 39_323, 2_213_091),
 }
 
-#: Names (case-insensitive, ``-`` == ``_``) under which the graph is known to ``load_dataset``.
-GENERATED_NAMES: tuple[str, ...] = ("products-like",)
-
 #: Candidate pairs drawn per step (bounds the temporary memory: ~100 bytes per pair, ~100 MiB).
 EDGE_CHUNK = 1 << 20
 _FEATURE_CHUNK = 1 << 16
@@ -115,15 +112,6 @@ _LOCAL_SLICE = 1 << 17
 #: sums its search reads from a bucket's start before falling back to a binary search.
 _GUIDE_BUCKETS_PER_NODE = 2
 _GUIDE_PROBES = 2
-
-
-def _key(name: str) -> str:
-    return name.strip().lower().replace("-", "_")
-
-
-def is_generated_name(name: Any) -> bool:
-    """Whether ``name`` names a graph of this module (e.g. ``"products-like"``)."""
-    return isinstance(name, str) and _key(name) in {_key(n) for n in GENERATED_NAMES}
 
 
 def _check(name: str, value: Any, low: float, high: float = math.inf, integer: bool = False) -> Any:

@@ -24,20 +24,18 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from torch_geometric.nn import MessagePassing
 
-if TYPE_CHECKING:
-    from lightning_fullgraph.datamodule import FullGraphDataModule
+from lightning_fullgraph.data.datamodule import FullGraphDataModule, selected_anyway
 
 __all__ = [
     "check_before_launch",
     "check_convs",
     "check_data",
-    "check_num_parts",
     "launch_target",
     "missing_datamodule_error",
     "require_datamodule",
@@ -50,9 +48,6 @@ log = logging.getLogger(__name__)
 _TRAINER_FUNCTIONS = ("_fit_impl", "_validate_impl", "_test_impl", "_predict_impl")
 #: Arguments of those functions that may hold a LightningDataModule instead of dataloaders.
 _LOADER_ARGUMENTS = ("train_dataloaders", "dataloaders")
-#: Node masks :func:`~lightning_fullgraph.datamodule.select_mask_split` selects whatever the
-#: strategy's ``mask_key`` is (it also takes every key ending in ``_mask``).
-_DEFAULT_MASK_KEYS = ("train_mask", "val_mask", "test_mask")
 
 
 def world_size(strategy: Any) -> int:
@@ -61,26 +56,6 @@ def world_size(strategy: Any) -> int:
     return max(1, int(getattr(strategy, "num_nodes", 1) or 1)) * max(
         1, int(getattr(strategy, "num_processes", 1) or 1)
     )
-
-
-def check_num_parts(num_parts: int | None, world_size: int) -> int:
-    """The number of parts a run of ``world_size`` ranks trains on.
-
-    Args:
-        num_parts: ``FullGraphDataModule(num_parts=...)``; ``None`` means one per rank.
-        world_size: The run's ranks (``num_nodes * devices``).
-
-    Raises:
-        ValueError: ``num_parts`` is set and differs from ``world_size`` (each rank trains
-            exactly one part), with the two ways to fix it.
-    """
-    parts = num_parts or world_size
-    if parts != world_size:
-        raise ValueError(
-            f"FullGraphDataModule(num_parts={parts}) but the trainer runs {world_size} rank(s); each rank "
-            f"trains one part: set num_parts=None (or {world_size}), or run with {parts} devices"
-        )
-    return parts
 
 
 def missing_datamodule_error(datamodule: object) -> TypeError:
@@ -98,8 +73,6 @@ def require_datamodule(datamodule: object) -> FullGraphDataModule:
     Raises:
         TypeError: :func:`missing_datamodule_error` otherwise.
     """
-    from lightning_fullgraph.datamodule import FullGraphDataModule
-
     if not isinstance(datamodule, FullGraphDataModule):
         raise missing_datamodule_error(datamodule)
     return datamodule
@@ -128,7 +101,7 @@ def check_data(
 
     ``num_parts`` against the world size; a partition folder's part count; with
     ``load_graph`` (or a graph already loaded), the global graph
-    (:func:`~lightning_fullgraph.validation.validate_graph`: masks, a training node with
+    (:func:`~lightning_fullgraph.data.validation.validate_graph`: masks, a training node with
     ``require_train``, ids, shapes...).  The loaded graph stays cached on the datamodule.
 
     Args:
@@ -144,9 +117,9 @@ def check_data(
         PartitionCacheError: a partition folder with another number of parts.
         GraphValidationError: the graph cannot be trained on (the message has the fix).
     """
-    parts = datamodule._expected_parts(world_size)
-    same_masks = mask_key in _DEFAULT_MASK_KEYS or mask_key.endswith("_mask")
-    datamodule._check_data(parts, load_graph=load_graph and same_masks)
+    parts = datamodule.expected_parts(world_size)
+    same_masks = selected_anyway(mask_key)
+    datamodule.check_data(parts, load_graph=load_graph and same_masks)
 
 
 def launch_target(

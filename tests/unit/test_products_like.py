@@ -1,4 +1,4 @@
-"""The generated ``products-like`` graph (:mod:`lightning_fullgraph.generated`) and the
+"""The generated ``products-like`` graph (:mod:`lightning_fullgraph.data.datasets.products_like`) and the
 bounded-memory METIS input (``metis_max_edges``).
 
 Small sizes only (a few 10^4 nodes at products' mean degree 50.5); the full-size figures are
@@ -15,13 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_fullgraph.datasets import dataset_names, load_dataset
-from lightning_fullgraph.generated import (
+from lightning_fullgraph.data.datasets import dataset_names, is_generated_name, load_dataset
+from lightning_fullgraph.data.datasets.products_like import (
     GENERATOR_VERSION,
     PRODUCTS_STATS,
     _Sampler,
     generated_fingerprint,
-    is_generated_name,
     products_like_graph,
 )
 from lightning_fullgraph.partition.partitioner import partition_graph, partition_stats, symmetric_simple_csr
@@ -200,7 +199,7 @@ def test_known_by_name_and_fingerprinted_without_building() -> None:
 _MEASURE = r"""
 import json, sys
 import torch
-from lightning_fullgraph.generated import products_like_graph
+from lightning_fullgraph.data.datasets.products_like import products_like_graph
 from lightning_fullgraph._os import max_rss_mib
 {prefix}
 base = max_rss_mib()
@@ -235,7 +234,7 @@ def test_generation_memory_is_bounded_by_the_graph_size() -> None:
     assert m["growth"] <= bound(m), m
     control = _measure(
         "community_graph(num_nodes=100_000, num_classes=47, num_features=100, avg_degree=50.0)",
-        prefix="from lightning_fullgraph.datasets import community_graph",
+        prefix="from lightning_fullgraph.data.datasets.community import community_graph",
     )
     assert control["growth"] > bound(control), control
 

@@ -28,6 +28,12 @@ from torch.utils.data import DataLoader, Dataset
 from torch_geometric.data import Data
 
 from lightning_fullgraph.comm.plan import LocalPartition
+from lightning_fullgraph.data.validation import (
+    MASK_KEYS,
+    GraphValidationError,
+    mask_dtype_problem,
+    validate_graph,
+)
 from lightning_fullgraph.partition.cache import (
     PartitionCacheError,
     PartitionResult,
@@ -37,10 +43,8 @@ from lightning_fullgraph.partition.cache import (
     read_manifest,
 )
 from lightning_fullgraph.partition.partitioner import BALANCE_MODES, PARTITION_METHODS
-from lightning_fullgraph.preflight import check_num_parts
-from lightning_fullgraph.validation import MASK_KEYS, GraphValidationError, mask_dtype_problem, validate_graph
 
-__all__ = ["FullGraphDataModule", "load_graph", "select_mask_split"]
+__all__ = ["FullGraphDataModule", "check_num_parts", "load_graph", "select_mask_split", "selected_anyway"]
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +71,14 @@ def load_graph(data: Any, root: str | os.PathLike | None = None, **kwargs: Any) 
 
     Args:
         data: A ``Data``; a PyG dataset (its first graph); or a dataset name for
-            :func:`lightning_fullgraph.datasets.load_dataset` (with ``root``).
+            :func:`lightning_fullgraph.data.datasets.load_dataset` (with ``root``).
         root: Folder of the dataset for named datasets.
         **kwargs: Passed to ``load_dataset`` for named datasets.
     """
     if isinstance(data, Data):
         return data
     if isinstance(data, str):
-        from lightning_fullgraph.datasets import load_dataset
+        from lightning_fullgraph.data.datasets import load_dataset
 
         return load_dataset(data, root=root, **kwargs)
     if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
@@ -85,6 +89,33 @@ def load_graph(data: Any, root: str | os.PathLike | None = None, **kwargs: Any) 
             raise TypeError(f"the dataset's item is a {type(graph).__name__}, not a torch_geometric Data")
         return graph
     raise TypeError(f"`data` must be a torch_geometric Data, a PyG dataset or a dataset name; got {type(data).__name__}")
+
+
+def selected_anyway(mask_key: str) -> bool:
+    """Whether :func:`select_mask_split` selects the node mask ``mask_key`` whatever the
+    strategy's ``mask_key`` is: ``train_mask``, ``val_mask``, ``test_mask`` and every key
+    ending in ``_mask`` (another ``mask_key`` changes what is selected)."""
+    return mask_key in MASK_KEYS or mask_key.endswith("_mask")
+
+
+def check_num_parts(num_parts: int | None, world_size: int) -> int:
+    """The number of parts a run of ``world_size`` ranks trains on.
+
+    Args:
+        num_parts: ``FullGraphDataModule(num_parts=...)``; ``None`` means one per rank.
+        world_size: The run's ranks (``num_nodes * devices``).
+
+    Raises:
+        ValueError: ``num_parts`` is set and differs from ``world_size`` (each rank trains
+            exactly one part), with the two ways to fix it.
+    """
+    parts = num_parts or world_size
+    if parts != world_size:
+        raise ValueError(
+            f"FullGraphDataModule(num_parts={parts}) but the trainer runs {world_size} rank(s); each rank "
+            f"trains one part: set num_parts=None (or {world_size}), or run with {parts} devices"
+        )
+    return parts
 
 
 def _check_split(split: Any) -> int:
@@ -119,7 +150,7 @@ def select_mask_split(data: Data, split: int = 0, mask_keys: Iterable[str] = ())
     examples do (``data.train_mask[:, split]``).  Other attributes, and masks that are not
     ``[N, S]`` (``validate_graph`` reports those), are left as they are; an ``[N, S]`` mask
     that is not bool under ``train_mask``, ``val_mask``, ``test_mask`` or a key of
-    ``mask_keys`` is refused with :func:`~lightning_fullgraph.validation.mask_dtype_problem`'s
+    ``mask_keys`` is refused with :func:`~lightning_fullgraph.data.validation.mask_dtype_problem`'s
     message (convert it with ``mask != 0``), whatever ``split``.
 
     Args:
@@ -135,7 +166,7 @@ def select_mask_split(data: Data, split: int = 0, mask_keys: Iterable[str] = ())
         ValueError: ``split`` is not in ``[0, S)`` for a mask with ``S`` columns; or
             ``split != 0`` but no mask has several splits (the split asked for does not
             exist, and silently training on the only one would be a different experiment);
-            or (a :class:`~lightning_fullgraph.validation.GraphValidationError`) an ``[N, S]``
+            or (a :class:`~lightning_fullgraph.data.validation.GraphValidationError`) an ``[N, S]``
             node mask is not bool.
     """
     split = _check_split(split)
@@ -178,7 +209,7 @@ class FullGraphDataModule(pl.LightningDataModule):
     Args:
         data: The graph: a PyG ``Data``, a PyG dataset with one graph, a dataset name
             (``"community"``, Planetoid names, OGB node-property names, ... see
-            :func:`lightning_fullgraph.datasets.load_dataset`), or the path of a partition
+            :func:`lightning_fullgraph.data.datasets.load_dataset`), or the path of a partition
             folder written by ``lightning-fullgraph partition`` (then the global graph is
             never loaded).
         num_parts: Number of parts; default (``None``) the trainer's world size.  It must
@@ -274,9 +305,13 @@ class FullGraphDataModule(pl.LightningDataModule):
             return 0, 1
         return trainer.global_rank, trainer.world_size
 
-    def _expected_parts(self, world_size: int | None = None) -> int:
+    def expected_parts(self, world_size: int | None = None) -> int:
         """The number of parts: ``num_parts``, which must equal the world size (``world_size``,
-        default the attached trainer's; without a trainer ``num_parts`` is not checked)."""
+        default the attached trainer's; without a trainer ``num_parts`` is not checked).
+
+        Raises:
+            ValueError: :func:`check_num_parts`'s, parts that differ from the ranks.
+        """
         if world_size is None:
             _, world_size = self._world()
             if self.trainer is None:
@@ -298,7 +333,7 @@ class FullGraphDataModule(pl.LightningDataModule):
         """The keys of :meth:`_mask_keys` that change what :func:`select_mask_split` selects
         (``train_mask``, ``val_mask``, ``test_mask`` and ``*_mask`` are selected anyway): what a
         loaded graph, partition folder or part must have been made for to be reused."""
-        return tuple(k for k in self._mask_keys() if k not in MASK_KEYS and not k.endswith("_mask"))
+        return tuple(k for k in self._mask_keys() if not selected_anyway(k))
 
     def global_graph(self) -> Data:
         """The whole graph (loaded on first use) with column ``split`` of every ``[N, S]``
@@ -311,7 +346,7 @@ class FullGraphDataModule(pl.LightningDataModule):
                 raise RuntimeError(f"data={self.data!r} is a partition folder: the global graph is not loaded")
             kwargs = dict(self.dataset_kwargs)
             remaining = self.split
-            from lightning_fullgraph.datasets import is_synthetic_name
+            from lightning_fullgraph.data.datasets import is_synthetic_name
 
             if isinstance(self.data, str) and not is_synthetic_name(self.data):
                 # load_dataset selects the split itself (and drops the other columns).
@@ -330,9 +365,9 @@ class FullGraphDataModule(pl.LightningDataModule):
                 )
         return self._graph
 
-    def _check_data(self, parts: int, load_graph: bool = True) -> Path | None:
+    def check_data(self, parts: int, load_graph: bool = True) -> Path | None:
         """The checks before partitioning (``prepare_data``; also the launcher's, before any
-        rank starts: :mod:`lightning_fullgraph.preflight`).  A partition folder given as
+        rank starts: :mod:`lightning_fullgraph.launch.preflight`).  A partition folder given as
         ``data`` must hold ``parts`` parts; otherwise the global graph must pass
         :func:`validate_graph` (checked when ``load_graph`` or already loaded; it stays
         cached).  Returns the partition folder given as ``data``, if any."""
@@ -359,8 +394,8 @@ class FullGraphDataModule(pl.LightningDataModule):
     # -- Lightning hooks ------------------------------------------------------------------
     def prepare_data(self) -> None:
         """Partitions the graph into the cache unless a valid partition exists (once per node)."""
-        parts = self._expected_parts()
-        given = self._check_data(parts)
+        parts = self.expected_parts()
+        given = self.check_data(parts)
         self._prepared_as = None
         if given is not None:
             manifest = read_manifest(given)
@@ -373,7 +408,7 @@ class FullGraphDataModule(pl.LightningDataModule):
         fingerprint = None
         if self._generated():
             # keyed by (name, arguments, generator version): a cache hit never generates it
-            from lightning_fullgraph.generated import generated_fingerprint
+            from lightning_fullgraph.data.datasets import generated_fingerprint
 
             fingerprint = generated_fingerprint(self.data, **self.dataset_kwargs)
         if fingerprint is None or self._graph is not None:
@@ -392,8 +427,8 @@ class FullGraphDataModule(pl.LightningDataModule):
             self._graph = None
 
     def _generated(self) -> bool:
-        """Whether ``data`` names a generated graph (:mod:`lightning_fullgraph.generated`)."""
-        from lightning_fullgraph.generated import is_generated_name
+        """Whether ``data`` names a generated graph (:mod:`lightning_fullgraph.data.datasets.products_like`)."""
+        from lightning_fullgraph.data.datasets import is_generated_name
 
         return is_generated_name(self.data)
 
@@ -434,7 +469,7 @@ class FullGraphDataModule(pl.LightningDataModule):
         self.local_partition = None
         self._loaded_as = None
         if trainer is None:
-            parts = self._expected_parts()
+            parts = self.expected_parts()
             if self._folder is None or self._prepared_as != (parts, ident):
                 self.prepare_data()
             folder = self._folder

@@ -213,7 +213,7 @@ def _check_y(data: Data, num_nodes: int) -> None:
 def mask_dtype_problem(key: str, mask: Tensor, num_nodes: int) -> str | None:
     """What is wrong with a node mask that is not bool, and how to convert it (``None`` for
     a bool mask).  One message for :func:`validate_graph` and for
-    :func:`~lightning_fullgraph.datamodule.select_mask_split`, whichever finds it first.
+    :func:`~lightning_fullgraph.data.datamodule.select_mask_split`, whichever finds it first.
 
     A floating mask, or an integer one of shape ``[num_nodes, S]`` (one 0/1 column per split),
     is converted with ``!= 0``; any other integer mask looks like an index tensor
@@ -308,7 +308,7 @@ def validate_graph(
 
     ``[N, S]`` masks are accepted here because a raw graph may ship them, but training
     needs ``[N]`` ones: ``FullGraphDataModule(split=k)`` keeps column ``k`` of every such
-    mask (:func:`~lightning_fullgraph.datamodule.select_mask_split`) before it validates
+    mask (:func:`~lightning_fullgraph.data.datamodule.select_mask_split`) before it validates
     and partitions the graph, so ``require_train`` then applies to that split.
 
     Args:
