@@ -40,26 +40,35 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fullgraph._warnings import ScopedWarningFilter, leafspec_filter
+from lightning_fullgraph.checkpoint import CHECKPOINT_KEY, PARTITION_KEYS, gather_policy_states, reset_reason
 from lightning_fullgraph.comm.exchange import HaloExchanger
-from lightning_fullgraph.comm.policies import MODES, CompressionPolicy, PolicyEnv, make_policy
+from lightning_fullgraph.comm.policies import CompressionPolicy, PolicyEnv, resolve_policy
 from lightning_fullgraph.comm.policies.modes import overlap_by_default
 from lightning_fullgraph.data.validation import all_finite
 from lightning_fullgraph.launch.preflight import missing_datamodule_error
 from lightning_fullgraph.metrics import CommMetricsLogger
 from lightning_fullgraph.nn.context import HaloContext
 from lightning_fullgraph.nn.patch import install_adapters, uninstall_adapters
+from lightning_fullgraph.reporting import (
+    SMALL_HALO_SHARE,
+    accumulate_grad_batches_warning,
+    describe_run,
+    drop_ddp_only_kwargs,
+    graph_figures,
+    small_halo_warning,
+    transformed_input_warning,
+    warn_non_exact_layers,
+)
 from lightning_fullgraph.training import (
     LOSS_WEIGHTINGS,
     all_reduce_gradients,
-    describe_run,
     forget_empty_means,
     gather_node_outputs,
+    global_loss_and_seconds,
     gradient_snapshot,
-    graph_figures,
     loss_scale,
     mean_over_ranks_with_nodes,
     stage_nodes,
-    warn_non_exact_layers,
 )
 
 if TYPE_CHECKING:
@@ -70,14 +79,8 @@ __all__ = ["FullGraphStrategy"]
 log = logging.getLogger(__name__)
 
 
-#: Key of the policies' state in a Lightning checkpoint.
-CHECKPOINT_KEY = "fullgraph_policy"
 #: Lightning's default ``log_every_n_steps`` (lowered to 1: one step per epoch here).
 _LIGHTNING_DEFAULT_LOG_EVERY = 50
-#: Manifest fields that identify a run's partitions (recorded in checkpoints).
-# What identifies the rows a rank holds; format_version too: the on-disk layout decides the
-# order of a rank's owned and halo rows, which Sylvie's stale buffers are laid out in.
-PARTITION_KEYS = ("fingerprint", "method", "balance", "num_parts", "seed", "format_version")
 
 
 class FullGraphStrategy(DDPStrategy):
@@ -200,26 +203,10 @@ class FullGraphStrategy(DDPStrategy):
             "assign_every": assign_every, "first_assign": first_assign, "lambda_": lambda_,
             "group_size": group_size, "link_costs": link_costs, "seed": seed,
         }
-        if policy is not None:
-            given = sorted(k for k, v in settings.items() if v is not None)
-            if given or (mode is not None and mode != policy.name):
-                raise ValueError(
-                    f"FullGraphStrategy(policy={policy!r}) carries its own settings; drop "
-                    f"{given or ['mode=' + repr(mode)]} or configure them on the policy"
-                )
-        else:
-            mode = "exact" if mode is None else mode
-            if mode not in MODES:
-                raise ValueError(f"FullGraphStrategy(mode={mode!r}) is not a mode; choose one of {MODES}")
-            policy = make_policy(mode, **settings)
+        policy = resolve_policy(mode, policy, **settings)
         if loss_weighting not in LOSS_WEIGHTINGS:
             raise ValueError(f"loss_weighting={loss_weighting!r}; choose one of {LOSS_WEIGHTINGS}")
-        ddp_only = {"find_unused_parameters", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb"}
-        ignored = {key: kwargs.pop(key) for key in sorted(ddp_only & kwargs.keys())}
-        # (config systems pass DDP's defaults along; only a value someone chose is worth a warning)
-        chosen = [key for key, value in ignored.items() if value not in (None, False, 25)]
-        if chosen:
-            rank_zero_warn(f"FullGraphStrategy does not wrap the model in DDP; ignoring {chosen}")
+        drop_ddp_only_kwargs(kwargs)
         super().__init__(
             timeout=timeout, start_method=start_method, process_group_backend=process_group_backend, **kwargs
         )
@@ -350,29 +337,18 @@ class FullGraphStrategy(DDPStrategy):
         warn_non_exact_layers(self.lightning_module)
         if fitting:
             self._loss_scale = loss_scale(partition, self.loss_weighting, self.mask_key, self.world_size, self.root_device)
-            if trainer.accumulate_grad_batches > 1:
-                rank_zero_warn(
-                    f"accumulate_grad_batches={trainer.accumulate_grad_batches}: every epoch is one batch (the "
-                    "whole graph), so Lightning steps once every "
-                    f"{trainer.accumulate_grad_batches} epochs with the mean of their gradients -- the same "
-                    "gradient as one epoch, with "
-                    f"{trainer.accumulate_grad_batches} times fewer updates (training at 1/"
-                    f"{trainer.accumulate_grad_batches} of the learning rate per epoch). Nothing is gained "
-                    "in memory; set accumulate_grad_batches=1"
-                )
+            accumulating = accumulate_grad_batches_warning(trainer.accumulate_grad_batches)
+            if accumulating is not None:
+                rank_zero_warn(accumulating)
             if trainer.log_every_n_steps == _LIGHTNING_DEFAULT_LOG_EVERY:
                 # One optimizer step per epoch: Lightning's default of 50 steps would log the
                 # training metrics once every 50 epochs (none at all in a 50-epoch run).
                 trainer.log_every_n_steps = 1
         if fitting:
             rank_zero_info(self.describe_run())
-            if self.world_size > 1 and self.policy.name != "exact" and self.halo_share < self.SMALL_HALO_SHARE:
-                rank_zero_warn(
-                    f"halo rows are {self.halo_share:.1%} of the aggregation inputs: compressing them cannot "
-                    f"change much, in accuracy or in time ({self.policy.name} and exact train alike). "
-                    "Compression pays where partitions share many boundary rows (more parts, a graph "
-                    "with less locality)"
-                )
+            small = small_halo_warning(self.policy.name, self.halo_share, self.world_size)
+            if small is not None:
+                rank_zero_warn(small)
         self._comm_warning.install()
         self._leafspec_warning.install()
         if self._comm_callback not in trainer.callbacks:
@@ -385,7 +361,7 @@ class FullGraphStrategy(DDPStrategy):
         return describe_run(self.policy, self._rank_figures, self.halo_share)
 
     #: Below this share of the aggregation inputs, compressing halo messages cannot matter.
-    SMALL_HALO_SHARE = 0.02
+    SMALL_HALO_SHARE = SMALL_HALO_SHARE
 
     @override
     def configure_ddp(self) -> None:
@@ -536,40 +512,21 @@ class FullGraphStrategy(DDPStrategy):
             assert self.lightning_module is not None
             loss = seconds = None
             if self.policy.needs_global_loss and self._step_loss is not None:
-                # the loss and the step's time in one collective: every rank then decides alike
                 elapsed = time.perf_counter() - self._step_started
-                total = torch.stack([
-                    self._step_loss.reshape(()).to(self.root_device, torch.float64),
-                    torch.tensor(elapsed / self.world_size, dtype=torch.float64, device=self.root_device),
-                ])
-                if self.world_size > 1:
-                    dist.all_reduce(total, op=dist.ReduceOp.SUM)
-                loss, seconds = (float(v) for v in total.tolist())
+                loss, seconds = global_loss_and_seconds(self._step_loss, elapsed, self.world_size, self.root_device)
             epoch = self.lightning_module.current_epoch
             self.step_figures.update(self.policy.on_train_epoch_end(epoch, loss, seconds))
             self._epochs_run = epoch + 1
 
     def _warn_transformed_input(self) -> None:
-        """Once per fit: the first layer's message is a transform of the batch's features
-        (dropout on ``batch.x`` before the first conv): rows that would travel once, cached,
-        now travel every epoch.  Names the factor of extra per-epoch traffic."""
+        """Once per fit (:func:`~lightning_fullgraph.reporting.transformed_input_warning`)."""
         exchanger = self._exchanger
         if exchanger is None or exchanger.transformed_input is None or self._warned_input:
             return
         self._warned_input = True
-        layer, width = exchanger.transformed_input
-        values = exchanger.stats.layer_values
-        total, first = float(sum(values.values())), float(values.get(layer, 0))
-        if first == 0:
-            return
-        factor = f"{total / (total - first):.1f}x" if total > first else "from none to"
-        rank_zero_warn(
-            f"the first message-passing layer's input is not the batch's features but a tensor of the same "
-            f"shape (dropout or another transform of `batch.x` before the first conv?): its halo rows, "
-            f"{width} values each, travel every epoch instead of once, cached; that makes this model's "
-            f"per-epoch halo traffic {factor} what it would be. Apply the transform inside or after the "
-            "first conv, or accept the traffic"
-        )
+        message = transformed_input_warning(exchanger)
+        if message is not None:
+            rank_zero_warn(message)
 
     def _gradient_snapshot(self) -> dict[Tensor, Tensor | None]:
         assert self.lightning_module is not None
@@ -626,7 +583,7 @@ class FullGraphStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         from lightning_fullgraph.launch.guard import active_guard
-        from lightning_fullgraph.launch.report import claim_report, is_lost_peer
+        from lightning_fullgraph.launch.report import claim_report, explain_lost_peer, is_lost_peer
 
         self._failed = True
         super().on_exception(exception)
@@ -641,14 +598,8 @@ class FullGraphStrategy(DDPStrategy):
             # failed before any loop (setup, configuration): no halo exchange to blame.  (In
             # the parent of forked ranks the flag is unknown: their error is augmented as before.)
             return
-        message = str(exception)
         if is_lost_peer(exception):
-            exception.args = (
-                f"{message}\n\nFullGraphStrategy: another rank stopped taking part in the halo "
-                "exchange (it crashed, was killed, or ran a different number of layers/steps). "
-                "Check the other ranks' logs; every rank must run the same model, and a loss that "
-                "does not depend on the model output on some rank skips its backward exchanges.",
-            ) + tuple(exception.args[1:])
+            explain_lost_peer(exception)
 
     # -- launch and shutdown (lightning_fullgraph.launch) ----------------------------------
     @override
@@ -713,18 +664,9 @@ class FullGraphStrategy(DDPStrategy):
         # Draining the pipeline here only waits earlier for blocks training would wait for
         # anyway; what training sees does not change (comm/staleness.py).
         if self._exchanger is not None:
-            state = self.policy.state_dict()
-            state["rank"] = self.global_rank
-            if self.world_size > 1 and dist.is_initialized():
-                gathered: list[Any] = [None] * self.world_size
-                dist.all_gather_object(gathered, state)
-            else:
-                gathered = [state]
-            checkpoint[CHECKPOINT_KEY] = {
-                "world_size": self.world_size,
-                "partition": dict(self._partition_id),
-                "ranks": gathered,
-            }
+            checkpoint[CHECKPOINT_KEY] = gather_policy_states(
+                self.policy.state_dict(), self.global_rank, self.world_size, self._partition_id
+            )
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -744,17 +686,10 @@ class FullGraphStrategy(DDPStrategy):
         per-rank state (stale halo buffers, per-row bit-widths, rounding streams) belongs to
         rows this rank no longer owns.  Model and optimizer state are restored either way."""
         self._pending_state = None
-        saved_world = entry.get("world_size")
-        saved_partition = entry.get("partition")
-        reasons = []
-        if saved_world != self.world_size:
-            reasons.append(f"it was written by {saved_world} ranks and this run has {self.world_size}")
-        elif saved_partition is not None and saved_partition != self._partition_id:
-            changed = sorted(k for k in PARTITION_KEYS if saved_partition.get(k) != self._partition_id.get(k))
-            reasons.append(f"its graph partitions differ from this run's ({', '.join(changed)})")
-        if reasons:
+        reason = reset_reason(entry, self.world_size, self._partition_id)
+        if reason is not None:
             rank_zero_warn(
-                f"Resuming: {reasons[0]}. Model and optimizer state are restored; the {self.policy.name} "
+                f"Resuming: {reason}. Model and optimizer state are restored; the {self.policy.name} "
                 "compression state (stale halo buffers, bit-widths, rounding streams) is reset, so "
                 "training continues from there as a fresh run of this mode would."
             )

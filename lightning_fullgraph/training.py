@@ -1,6 +1,7 @@
-r"""What makes distributed full-graph training equal single-process training, outside the
-halo exchange: the loss weights, the gradient all-reduce, the node-output gather, what a
-rank logs, and the figures of the run.  :class:`~lightning_fullgraph.FullGraphStrategy`
+r"""What makes distributed training equal one process's: loss weights, gradient all-reduce, output gather, logged means.
+
+Outside the halo exchange: the loss weights, the gradient all-reduce, the node-output gather,
+the global loss handed to the policy, and what a rank logs.  :class:`~lightning_fullgraph.FullGraphStrategy`
 calls these from its Lightning hooks.
 
 The global gradient is the gradient of the mean loss over all training nodes:
@@ -24,28 +25,24 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_fullgraph.data.validation import all_finite
 
 if TYPE_CHECKING:
     from lightning_fullgraph.comm.plan import LocalPartition
-    from lightning_fullgraph.comm.policies.base import CompressionPolicy
 
 __all__ = [
     "LOSS_WEIGHTINGS",
     "STAGE_MASKS",
     "all_reduce_gradients",
-    "describe_run",
     "forget_empty_means",
     "gather_node_outputs",
+    "global_loss_and_seconds",
     "gradient_snapshot",
-    "graph_figures",
     "loss_scale",
     "mean_over_ranks_with_nodes",
     "stage_nodes",
-    "warn_non_exact_layers",
 ]
 
 LOSS_WEIGHTINGS = ("train_mask", "mean", "sum")
@@ -248,61 +245,16 @@ def mean_over_ranks_with_nodes(tensor: Tensor, has_nodes: bool, group: Any | Non
     return out.reshape(tensor.shape).to(dtype)
 
 
-# -- the run's figures ------------------------------------------------------------------------
-def graph_figures(partition: LocalPartition, world_size: int, device: torch.device) -> tuple[float, Tensor]:
-    """``(halo share, table)``: the share of halo rows among the aggregation inputs of the
-    whole graph -- edges whose source is a halo row, over all edges plus one self term per
-    node (GCN's self-loop, SAGE's root term) -- and every rank's ``[owned rows, halo rows,
-    edges from halo rows, edges]`` (``[world_size, 4]``, float64).  One all-gather: every rank
-    gets the same figures."""
-    edge_index, plan = partition.data.edge_index, partition.plan
-    halo_edges = float((edge_index[0] >= plan.num_owned).sum()) if edge_index.numel() else 0.0
-    mine = torch.tensor(
-        [float(plan.num_owned), float(plan.num_halo), halo_edges, float(edge_index.size(1))], dtype=torch.float64
-    )
+def global_loss_and_seconds(
+    step_loss: Tensor, seconds: float, world_size: int, device: torch.device
+) -> tuple[float, float]:
+    """The step's global loss (the sum of the ranks' weighted losses) and its mean time over
+    ranks in seconds, in one all-reduce (every rank calls it and then decides alike)."""
+    total = torch.stack([
+        step_loss.reshape(()).to(device, torch.float64),
+        torch.tensor(seconds / world_size, dtype=torch.float64, device=device),
+    ])
     if world_size > 1:
-        mine = mine.to(device)
-        rows = [torch.empty_like(mine) for _ in range(world_size)]
-        dist.all_gather(rows, mine)
-        table = torch.stack(rows).cpu()
-    else:
-        table = mine.reshape(1, -1)
-    inputs = float(table[:, 3].sum() + table[:, 0].sum())
-    return (float(table[:, 2].sum()) / inputs if inputs > 0 else 0.0), table
-
-
-def describe_run(policy: CompressionPolicy, table: Tensor, halo_share: float) -> str:
-    """The fit-start line: mode and settings, graph, parts, halo rows per rank and their
-    share of the aggregation inputs (``table`` from :func:`graph_figures`)."""
-    settings = ", ".join(f"{k}={v}" for k, v in policy.settings().items() if v is not None)
-    nodes, edges = int(table[:, 0].sum()), int(table[:, 3].sum())
-    halo = [int(h) for h in table[:, 1].tolist()]
-    shown = ", ".join(map(str, halo[:8])) + (", ..." if len(halo) > 8 else "")
-    return (
-        f"FullGraphStrategy: mode {policy.name}{f' ({settings})' if settings else ''}; graph "
-        f"{nodes:,} nodes, {edges:,} edges in {len(halo)} part(s); halo rows per rank [{shown}] "
-        f"({sum(halo) / max(nodes, 1):.1%} of the nodes), {halo_share:.1%} of the aggregation inputs"
-    )
-
-
-_NON_EXACT_NORMS = ("BatchNorm", "GraphNorm", "InstanceNorm", "PairNorm", "DiffGroupNorm", "GraphSizeNorm")
-
-
-def warn_non_exact_layers(module: torch.nn.Module) -> None:
-    """Warns about layers whose statistics span nodes of several ranks (not exact here)."""
-    from torch_geometric.nn.norm import LayerNorm as PygLayerNorm
-
-    names = set()
-    for m in module.modules():
-        name = type(m).__name__
-        if any(name.startswith(n) or name == n for n in _NON_EXACT_NORMS):
-            names.add(name)
-        if isinstance(m, PygLayerNorm) and getattr(m, "mode", "graph") == "graph":
-            names.add("torch_geometric.nn.LayerNorm(mode='graph')")
-    if names:
-        rank_zero_warn(
-            f"{sorted(names)} normalise over the nodes of a batch; under FullGraphStrategy each rank "
-            "only sees its own partition, so their statistics differ from a single-process run. "
-            "Use per-node normalisation (torch.nn.LayerNorm, or PyG LayerNorm(mode='node')) for "
-            "exact results."
-        )
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    loss, mean_seconds = (float(v) for v in total.tolist())
+    return loss, mean_seconds

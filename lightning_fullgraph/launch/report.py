@@ -23,7 +23,7 @@ from typing import Any
 
 from lightning_fullgraph._os import pid_alive
 
-__all__ = ["claim_report", "is_lost_peer", "make_run_dir", "reported_elsewhere"]
+__all__ = ["claim_report", "explain_lost_peer", "is_lost_peer", "make_run_dir", "reported_elsewhere"]
 
 #: Environment variable naming the folder where the ranks of one ``popen`` run note which
 #: error is reported (:func:`claim_report`).
@@ -41,6 +41,17 @@ def is_lost_peer(exception: BaseException) -> bool:
     connection, a collective's timeout) rather than an error of its own."""
     message = str(exception)
     return any(text in message for text in LOST_PEER_TEXTS)
+
+
+def explain_lost_peer(exception: BaseException) -> None:
+    """Appends to a lost-peer error (:func:`is_lost_peer`) what it means for the halo exchange
+    and where to look (in place: the exception's first argument)."""
+    exception.args = (
+        f"{exception}\n\nFullGraphStrategy: another rank stopped taking part in the halo "
+        "exchange (it crashed, was killed, or ran a different number of layers/steps). "
+        "Check the other ranks' logs; every rank must run the same model, and a loss that "
+        "does not depend on the model output on some rank skips its backward exchanges.",
+    ) + tuple(exception.args[1:])
 
 
 def _error_text(exception: BaseException) -> str:

@@ -13,8 +13,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_fullgraph import FullGraphDataModule
+from lightning_fullgraph.checkpoint import CHECKPOINT_KEY
 from lightning_fullgraph.partition.cache import FORMAT_VERSION
-from lightning_fullgraph.strategy import CHECKPOINT_KEY
 from tests.helpers import PIPELINED, NodeClassifier, cpu_trainer, directed_graph
 
 MODES = {
@@ -172,7 +172,7 @@ def test_resume_on_another_partition_layout_resets_the_compression_state(tmp_pat
     of locality) resumes with the compression state reset and a warning naming
     ``format_version``; the model and optimizer state are restored.
 
-    Negative control: without ``format_version`` among the strategy's ``PARTITION_KEYS`` the
+    Negative control: without ``format_version`` among ``checkpoint.PARTITION_KEYS`` the
     stale halo buffers are restored (rows in the wrong order) and the callback's check fails."""
     path = _sylvie_checkpoint_on_two_ranks(tmp_path)
     saved = torch.load(path, weights_only=False)

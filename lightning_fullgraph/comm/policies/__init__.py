@@ -14,6 +14,7 @@ from lightning_fullgraph.comm.policies.modes import (
     Mode,
     make_policy,
     policy_settings,
+    resolve_policy,
 )
 from lightning_fullgraph.comm.policies.sylvie.policy import SylviePolicy
 
@@ -28,5 +29,6 @@ __all__ = [
     "PolicyEnv",
     "SylviePolicy",
     "make_policy",
+    "resolve_policy",
     "policy_settings",
 ]

@@ -24,6 +24,7 @@ __all__ = [
     "POLICIES",
     "Mode",
     "make_policy",
+    "resolve_policy",
     "mode_of",
     "overlap_by_default",
     "policy_settings",
@@ -120,3 +121,21 @@ def make_policy(mode: str, **settings: Any) -> CompressionPolicy:
         raise ValueError(f"mode={mode!r} does not take {extra}; it takes {sorted(accepted) or 'no settings'}")
     return cls(**given)
 
+
+
+def resolve_policy(mode: str | None, policy: CompressionPolicy | None, **settings: Any) -> CompressionPolicy:
+    """The strategy's policy: ``policy`` when given (then ``mode`` and every setting must be
+    unset or agree), else :func:`make_policy` of ``mode`` (default ``"exact"``) with the
+    settings that apply to it (``None`` values left at the policy's default)."""
+    if policy is not None:
+        given = sorted(k for k, v in settings.items() if v is not None)
+        if given or (mode is not None and mode != policy.name):
+            raise ValueError(
+                f"FullGraphStrategy(policy={policy!r}) carries its own settings; drop "
+                f"{given or ['mode=' + repr(mode)]} or configure them on the policy"
+            )
+        return policy
+    mode = "exact" if mode is None else mode
+    if mode not in MODES:
+        raise ValueError(f"FullGraphStrategy(mode={mode!r}) is not a mode; choose one of {MODES}")
+    return make_policy(mode, **settings)
