@@ -1,5 +1,4 @@
-"""Operating-system plumbing, one copy each: process liveness, ``/proc`` memory figures,
-``flock``, atomic file replacement.
+"""Operating-system plumbing, one copy each: process liveness, ``/proc`` memory, ``flock``, atomic writes.
 
 Linux first; every function degrades to a documented answer where the facility is missing
 (no ``/proc``, no ``fcntl``), and none has a side effect at import.

@@ -31,7 +31,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -367,7 +366,9 @@ class FullGraphStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         # No DDP wrapper (see module docstring); start every rank from rank 0's weights.
         assert self.model is not None
-        _sync_module_states(self.model)
+        from lightning_fullgraph.launch.launchers import sync_module_states
+
+        sync_module_states(self.model)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,4 +1,5 @@
 """How a multi-rank run ends: signals, exit status, no process left behind.
+
 Lightning's own SIGTERM handling does not suit halo exchange: its handler broadcasts on the
 default process group from wherever the main thread happens to be (inside the gradient
 all-reduce, say) while the peer waits in a halo transfer, so both ranks block until the

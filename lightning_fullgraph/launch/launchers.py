@@ -1,10 +1,14 @@
-"""Lightning's two launchers (``popen``: each rank re-runs the script; ``fork``/``spawn``)
-with this package's rules: the launcher's checks before any rank starts
+"""Lightning's two launchers with this package's rules, and every private Lightning name the package uses.
+
+The launchers (``popen``: each rank re-runs the script; ``fork``/``spawn``) add the
+launcher's checks before any rank starts
 (:mod:`lightning_fullgraph.launch.preflight`), the shutdown guard in every rank
 (:mod:`~lightning_fullgraph.launch.guard`), each error reported once
 (:mod:`~lightning_fullgraph.launch.report`), and no rank outliving its launcher.
 
-Lightning's private launcher classes are subclassed here and nowhere else.
+Lightning's private names (the launcher classes subclassed here, and
+:func:`sync_module_states` for the strategy) are imported here and nowhere else, so that a
+Lightning upgrade that moves one breaks one module.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
@@ -38,7 +43,12 @@ from lightning_fullgraph.launch.guard import (
 )
 from lightning_fullgraph.launch.report import RUN_DIR_ENV, make_run_dir, reported_elsewhere, reporter_pid
 
-__all__ = ["FullGraphMultiprocessingLauncher", "FullGraphSubprocessLauncher"]
+__all__ = ["FullGraphMultiprocessingLauncher", "FullGraphSubprocessLauncher", "sync_module_states"]
+
+def sync_module_states(module: Any) -> None:
+    """Broadcasts ``module``'s parameters and buffers from rank 0 (Lightning's
+    ``_sync_module_states``): every rank starts from rank 0's weights, as under DDP."""
+    _sync_module_states(module)
 
 
 #: The launcher pid this rank already watches (one watcher thread per rank).
