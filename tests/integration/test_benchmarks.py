@@ -87,7 +87,7 @@ def test_thp_allocator_environment_gives_torch_huge_pages() -> None:
         return int(out.stdout.split()[-1])
 
     # what `lightning-fullgraph partition` suggests is what this benchmark measured
-    from lightning_fullgraph.cli import ALLOCATOR_ENV
+    from lightning_fullgraph.cli.partition import ALLOCATOR_ENV
 
     assert _load("run").MALLOC_ENVS["thp"] == ALLOCATOR_ENV
     if "[always]" not in thp:  # under "always" every process gets them: no negative control possible
