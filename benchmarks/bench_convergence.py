@@ -47,7 +47,8 @@ if str(REPO) not in sys.path:
 if str(BENCH_DIR) not in sys.path:
     sys.path.insert(0, str(BENCH_DIR))
 
-SHARED = Path(os.environ.get("LIGHTNING_FULLGRAPH_SHARED", REPO.parent / "shared")) / "datasets"
+from common import SHARED, check_link_support, link_wrapper  # noqa: E402
+
 GRAPHS = ("lowloc", "cora", "citeseer", "tolokers", "products-like")
 MODES: dict[str, dict[str, Any]] = {
     "exact": {"mode": "exact"},
@@ -409,8 +410,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.add_peers:
         return add_peers(args, Path(args.add_peers))
-    from run import check_link_support, link_wrapper
-
     from lightning_fullgraph import FullGraphDataModule
 
     if args.link != "none":

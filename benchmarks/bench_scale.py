@@ -21,7 +21,7 @@ It writes ``<out>/<name>.json`` / ``.md`` / ``.png`` (log-log plot) with least-s
 exponents (``y ~ E^a`` over the sizes) and the goals: per-rank peak above baseline <= 1.3 x
 single-process need / P + halo rows; partition peak <= 3x the graph's size; epoch time
 and partition time exponents in edges <= 1.1.  Every process it starts runs with the allocator environment of
-``--malloc`` (``run.py``'s ``MALLOC_ENVS``; default ``thp``: transparent huge pages for
+``--malloc`` (``common.py``'s ``MALLOC_ENVS``; default ``thp``: transparent huge pages for
 torch's large allocations and a fixed 2 MiB glibc mmap threshold), recorded in the report.
 Not part of CI: the full sweep takes about an hour on 2 cores.
 """
@@ -98,7 +98,7 @@ print(json.dumps({
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from run import MALLOC_ENVS  # run.py put this folder on sys.path: it imported us
+    from common import MALLOC_ENVS  # run.py put this folder on sys.path: it imported us
 
     p = argparse.ArgumentParser(prog="run.py --scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--scale", action="store_true")
@@ -166,10 +166,10 @@ def _load() -> list[float]:
 
 
 def _env(malloc: str = "default") -> dict[str, str]:
-    import run as bench_run
+    import common
 
     env = dict(os.environ)
-    env.update(bench_run.MALLOC_ENVS[malloc])
+    env.update(common.MALLOC_ENVS[malloc])
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("PYTHONWARNINGS", "ignore")
     return env
@@ -281,7 +281,7 @@ def train(
     index: int,
     run_root: Path,
 ) -> dict[str, Any]:
-    import run as bench_run
+    import common
 
     a = copy.copy(args)
     a.conv = conv
@@ -295,11 +295,11 @@ def train(
         "classes": 47,
         "partitions": {str(ranks): {"folder": folder}},
     }
-    cfg = bench_run.config(
+    cfg = common.config(
         "scale", graph, mode, ranks, args.warmup, args.epochs, False, link="none", scope="shared"
     )
     load_before = _load()
-    rec = bench_run.run_config(a, cfg, run_root, index)
+    rec = common.run_config(a, cfg, run_root, index)
     rec.update(conv=conv, load_before=load_before, load_after=_load(), nodes=n)
     rec.pop("_result", None)
     return rec
@@ -504,7 +504,7 @@ def _fmt(v: Any, digits: int = 0) -> str:
 
 
 def markdown(report: dict[str, Any], png: str | None) -> str:
-    from run import MALLOC_ENVS
+    from common import MALLOC_ENVS
 
     a = report["analysis"]
     malloc = report["config"].get("malloc", "default")  # reports before --malloc ran with the defaults

@@ -356,7 +356,7 @@ class FullGraphStrategy(DDPStrategy):
 
     def describe_run(self) -> str:
         """The fit-start line: mode and settings, graph, parts, halo rows per rank and their
-        share of the aggregation inputs (:func:`~lightning_fullgraph.training.describe_run`)."""
+        share of the aggregation inputs (:func:`~lightning_fullgraph.reporting.describe_run`)."""
         return describe_run(self.policy, self._rank_figures, self.halo_share)
 
     #: Below this share of the aggregation inputs, compressing halo messages cannot matter.

@@ -31,16 +31,17 @@ def _load(name: str):
 
 def test_link_wrapper_and_tc_parsing() -> None:
     run = _load("run")
-    assert run.link_wrapper("none", "shared", 4) == ([], "no throttling (host loopback)")
-    prefix, desc = run.link_wrapper("1gbit", "shared", 4)
+    common = _load("common")
+    assert common.link_wrapper("none", "shared", 4) == ([], "no throttling (host loopback)")
+    prefix, desc = common.link_wrapper("1gbit", "shared", 4)
     assert prefix[:3] == ["unshare", "-n", "bash"]
     assert "tbf rate 1000000000bit burst 125000b latency 50ms" in prefix[4]
-    prefix, _ = run.link_wrapper("10gbit", "per-rank", 4)
+    prefix, _ = common.link_wrapper("10gbit", "per-rank", 4)
     assert "tbf rate 40000000000bit burst 5000000b" in prefix[4]
-    prefix, desc = run.link_wrapper("calibrated", "per-rank", 4, rate_bps=150e6)
+    prefix, desc = common.link_wrapper("calibrated", "per-rank", 4, rate_bps=150e6)
     assert "tbf rate 600000000bit burst 524288b" in prefix[4] and "150.0 Mbit/s" in desc
     assert run.parse_rate("150mbit") == 150e6 and run.parse_rate("2e8") == 2e8
-    stats = run.parse_tc_stats(
+    stats = common.parse_tc_stats(
         "qdisc tbf 8001: root refcnt 2 rate 1Gbit burst 125000b lat 50ms\n"
         " Sent 553013712 bytes 22280 pkt (dropped 31, overlimits 20299 requeues 0)\n"
     )
@@ -75,7 +76,7 @@ def test_thp_allocator_environment_gives_torch_huge_pages() -> None:
     scale = _load("bench_scale")
 
     def huge_kib(malloc: str) -> int:
-        sys.path.insert(0, str(RUN.parent))  # bench_scale._env imports run by name, as run.py does
+        sys.path.insert(0, str(RUN.parent))  # bench_scale._env imports common by name, as run.py does
         try:
             env = scale._env(malloc)
         finally:
@@ -87,9 +88,9 @@ def test_thp_allocator_environment_gives_torch_huge_pages() -> None:
         return int(out.stdout.split()[-1])
 
     # what `lightning-fullgraph partition` suggests is what this benchmark measured
-    from lightning_fullgraph.cli import ALLOCATOR_ENV
+    from lightning_fullgraph.cli.partition import ALLOCATOR_ENV
 
-    assert _load("run").MALLOC_ENVS["thp"] == ALLOCATOR_ENV
+    assert _load("common").MALLOC_ENVS["thp"] == ALLOCATOR_ENV
     if "[always]" not in thp:  # under "always" every process gets them: no negative control possible
         assert huge_kib("default") == 0
     assert huge_kib("thp") >= 32 * 1024
@@ -390,7 +391,7 @@ def test_scale_report_fits_the_host_read_reference_and_partition_phases(monkeypa
     report["sizes"][0].pop("gather")
     assert scale.analyse(report)["exponents"]["host_random_read_per_edge"] is None
 
-    monkeypatch.syspath_prepend(str(RUN.parent))  # bench_scale._env imports run by name, as run.py does
+    monkeypatch.syspath_prepend(str(RUN.parent))  # bench_scale._env imports common by name, as run.py does
     rec = scale.gather_calibration(1000, 5000)
     assert rec["count"] == 5000 and rec["random_ns"] > 0 and rec["ascending_ns"] > 0
 

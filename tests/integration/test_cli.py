@@ -24,7 +24,8 @@ import torch
 import yaml
 
 from lightning_fullgraph import FullGraphStrategy
-from lightning_fullgraph.cli import FullGraphCLI, main
+from lightning_fullgraph.cli import main
+from lightning_fullgraph.cli.train import FullGraphCLI
 from lightning_fullgraph.models import GNNNodeClassifier
 from tests.conftest import REPO, free_port
 
@@ -172,7 +173,7 @@ def test_partition_suggests_the_allocator_environment_for_large_parts(tmp_path, 
     and says nothing for small parts or when both are set.  Negative control: without the
     `print(hint)` in `_partition` the first assertion fails; a hint printed regardless of the
     part size or the environment fails the later ones."""
-    import lightning_fullgraph.cli as cli
+    import lightning_fullgraph.cli.partition as cli
 
     args = ["partition", "--data", "community", "--num-parts", "2", "--cache-dir", str(tmp_path)]
     args += ["--dataset-kwargs", json.dumps({"num_nodes": 400, "num_val": 100, "num_test": 100})]

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_fullgraph import cli
-from lightning_fullgraph.cli import FullGraphCLI
+from lightning_fullgraph.cli import errors
+from lightning_fullgraph.cli.train import FullGraphCLI
 from tests.conftest import REPO, free_port
 
 SMALL_GRAPH = json.dumps({"num_nodes": 1000, "num_val": 300, "num_test": 300})
@@ -310,7 +310,7 @@ def test_explain_parse_error_reads_the_innermost_key(message, problem, fix):
     choices (the same messages as the subprocess tests, without a process).
 
     Negative control: on the old code there is no ``explain_parse_error`` -> fails."""
-    assert cli.explain_parse_error(message) == (problem, fix)
+    assert errors.explain_parse_error(message) == (problem, fix)
 
 
 def test_unknown_strategy_suggests_among_fullgraph_names_first():
@@ -318,9 +318,9 @@ def test_unknown_strategy_suggests_among_fullgraph_names_first():
     far from every registered one gets the list instead of a guess.
 
     Negative control: on the old code there is no ``unknown_strategy`` -> fails."""
-    assert cli.unknown_strategy("fullgraph-quant")[1] == "did you mean --trainer.strategy=fullgraph_quant?"
-    assert cli.unknown_strategy("FULLGRAPH_SYLVIA")[1] == "did you mean --trainer.strategy=fullgraph_sylvie?"
-    problem, fix = cli.unknown_strategy("zzzz")
+    assert errors.unknown_strategy("fullgraph-quant")[1] == "did you mean --trainer.strategy=fullgraph_quant?"
+    assert errors.unknown_strategy("FULLGRAPH_SYLVIA")[1] == "did you mean --trainer.strategy=fullgraph_sylvie?"
+    problem, fix = errors.unknown_strategy("zzzz")
     assert "did you mean" not in fix and "fullgraph_exact" in fix and "fullgraph_adaqp" in problem
 
 
@@ -336,6 +336,6 @@ def test_python_arguments_become_flags():
         "--trainer.strategy.seed": 0,
     }
     text = "set num_parts=None (or 3), pass require_train=False or `num_parts`; seed=1"
-    assert cli._as_flags(text, flags) == (
+    assert errors.as_flags(text, flags) == (
         "set --data.num_parts=null (or 3), pass --data.require_train=false or --data.num_parts; seed=1"
     )

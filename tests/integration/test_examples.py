@@ -34,7 +34,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torchmetrics.classification import BinaryAUROC, MulticlassAUROC
 
 from lightning_fullgraph import FullGraphDataModule, FullGraphStrategy
-from lightning_fullgraph.cli import FullGraphCLI, main
+from lightning_fullgraph.cli import main
+from lightning_fullgraph.cli.train import FullGraphCLI
 from lightning_fullgraph.data.datasets import community_graph
 from lightning_fullgraph.models import GNNNodeClassifier
 from tests.conftest import REPO, free_port

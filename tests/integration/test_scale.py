@@ -18,7 +18,7 @@ import torch
 
 import lightning_fullgraph.data.datasets.products_like as generated
 from lightning_fullgraph import FullGraphDataModule
-from lightning_fullgraph.cli import partition_main
+from lightning_fullgraph.cli.partition import partition_main
 from lightning_fullgraph.models import GNNNodeClassifier
 from tests.helpers import cpu_trainer
 

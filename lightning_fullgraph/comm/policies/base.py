@@ -42,7 +42,7 @@ The bit sets: :data:`FIXED_BITS` (below) are the quantizer's record formats
 nothing else); the widths AdaQP's assignment chooses from are
 :data:`~lightning_fullgraph.comm.policies.adaqp.milp.ADAPTIVE_BITS`, defined with its MILP.
 Directions and the forward/backward count swap are the plan's
-(:data:`~lightning_fullgraph.partition.plan.DIRECTIONS`, :meth:`HaloPlan.counts`).
+(:data:`~lightning_fullgraph.comm.plan.DIRECTIONS`, :meth:`HaloPlan.counts`).
 """
 
 from __future__ import annotations
