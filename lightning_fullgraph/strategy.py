@@ -321,6 +321,7 @@ class FullGraphStrategy(DDPStrategy):
                 fitting=fitting,
                 final_epoch=max_epochs - 1 if max_epochs is not None and max_epochs >= 0 else None,
                 halo_share=self.halo_share,
+                compute_only=self.compute_only,
             )
         )
         if self._pending_state is not None:

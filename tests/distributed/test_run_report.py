@@ -93,6 +93,7 @@ def fit_two_ranks(
     trainer.fit(model, datamodule=FullGraphDataModule(data, cache_dir=parts))
 
 
+@pytest.mark.slow
 def test_fit_start_line_says_mode_graph_parts_and_halo(tmp_path) -> None:
     """One line on rank 0: mode and settings, node and edge counts, parts, halo rows of each
     rank and their share of the aggregation inputs.
@@ -114,6 +115,7 @@ fit_two_ranks(data, tmp / "parts", strategy_kwargs={"mode": "adaqp", "bits": 4})
     assert re.search(r"halo rows per rank \[\d+, \d+\]", line) and "of the aggregation inputs" in line
 
 
+@pytest.mark.slow
 def test_a_tiny_halo_warns_that_compression_cannot_matter(tmp_path) -> None:
     """Two communities joined by 3 bridges: a handful of halo rows.  A compressed mode warns
     that compression cannot change much; a graph with a real cut does not warn.
@@ -147,6 +149,7 @@ class InputDropout(NodeClassifier):
         return super().forward(F.dropout(x, p=0.5, training=self.training), edge_index)
 
 
+@pytest.mark.slow
 def test_input_dropout_warns_once_naming_the_extra_traffic(tmp_path) -> None:
     """SAGE sends its raw input rows: ``dropout(batch.x)`` is a per-epoch message 64 values
     wide instead of a one-time transfer.  One warning (over 3 epochs) names the factor; the
@@ -189,6 +192,7 @@ def _metrics(path: Path) -> list[dict[str, str]]:
         return [row for row in csv.DictReader(f) if row.get("epoch") not in (None, "")]
 
 
+@pytest.mark.slow
 def test_sylvie_epochs_that_send_nothing_log_no_bits_and_the_totals_are_reported(tmp_path) -> None:
     """staleness=3, 6 epochs: epoch 2 (before the synchronous epoch 3) and epoch 5 (the last)
     send nothing.  Those epochs log ``comm/bytes_sent`` 0 and no ``comm/bits`` (it used to

@@ -236,6 +236,7 @@ print("FILTERS_RESTORED", warnings.filters == before and not trainer.strategy._c
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_comm_metric_sync_warning_silenced_only_during_the_run(tmp_path) -> None:
     """Lightning's "use sync_dist=True" advice does not apply to the comm/* figures (already

@@ -96,6 +96,7 @@ def test_thp_allocator_environment_gives_torch_huge_pages() -> None:
     assert huge_kib("thp") >= 32 * 1024
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_benchmark_smoke(tmp_path) -> None:
     cmd = [
@@ -422,6 +423,7 @@ def test_scale_partition_repeats_keep_the_median_run(tmp_path, monkeypatch) -> N
     assert "(median of 7.0 / 5.0 / 9.0)" in scale._repeats_note(out)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_locality_benchmark_compares_the_orders_on_the_same_part(tmp_path) -> None:
     """``bench_locality.py`` times the same part (same METIS assignment) in the three row

@@ -83,6 +83,7 @@ def _scalars(log_root: Path) -> dict[str, list[float]]:
     return scalars
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("config", ["community_gcn.yaml", "strategy_class_path.yaml"])
 def test_fit_two_ranks_subprocess(config, tmp_path):

@@ -73,6 +73,7 @@ def _check_short_error(proc: subprocess.CompletedProcess, *expected_in_last_line
 
 
 # ---------------------------------------------------------------------- item 12: names
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cli_mistyped_strategy_name_suggests_the_nearest_registered_one(tmp_path):
     """``fit --trainer.strategy=fullgraph_sylvia`` ends on a line suggesting
@@ -103,6 +104,7 @@ def test_cli_class_mistyped_strategy_name_raises_configuration_error():
 
 
 # ------------------------------------------------------------- item 13: configuration errors
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cli_setting_of_another_mode_says_which_flags_to_change(tmp_path):
     """The Sylvie example config with ``--trainer.strategy.mode=adaqp``: its ``staleness``,
@@ -131,6 +133,7 @@ def test_cli_setting_of_another_mode_says_which_flags_to_change(tmp_path):
     ],
     ids=["conv-choice", "not-an-int", "unknown-flag", "unknown-model-argument"],
 )
+@pytest.mark.slow
 def test_cli_parse_error_ends_on_the_flag_to_change(args, expected, tmp_path):
     """A value or flag the parser refuses: a few lines, the last naming the flag and what it
     takes (or the flag meant).
@@ -143,6 +146,7 @@ def test_cli_parse_error_ends_on_the_flag_to_change(args, expected, tmp_path):
     _check_short_error(proc, *expected)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cli_parts_that_do_not_match_the_devices_in_flags(tmp_path):
     """``--trainer.devices=3 --data.num_parts=2``: the strategy's error (found before any rank
@@ -156,6 +160,7 @@ def test_cli_parts_that_do_not_match_the_devices_in_flags(tmp_path):
     assert "ValueError: FullGraphDataModule(num_parts=2) but the trainer runs 3 rank(s)" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cli_debug_variable_shows_the_traceback(tmp_path):
     """``LIGHTNING_FULLGRAPH_DEBUG=1`` gives the full traceback of a configuration error.
@@ -177,6 +182,7 @@ def test_cli_debug_variable_shows_the_traceback(tmp_path):
 
 
 # ------------------------------------------------------------------ item 14: small things
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_fit_help_names_the_command(tmp_path):
     """``python -m lightning_fullgraph fit --help`` starts with
@@ -198,6 +204,7 @@ def fitted_to_a_file(tmp_path_factory) -> tuple[Path, subprocess.CompletedProces
     return cwd, proc
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_fit_to_a_file_prints_epoch_lines_not_a_progress_bar(fitted_to_a_file):
     """stdout not a terminal and no progress bar configured: no carriage returns, no tqdm
@@ -214,6 +221,7 @@ def test_fit_to_a_file_prints_epoch_lines_not_a_progress_bar(fitted_to_a_file):
     assert len(out.splitlines()) < 50, out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_fit_with_the_progress_bar_asked_for_keeps_it(tmp_path):
     """``--trainer.enable_progress_bar=true`` given explicitly: the bar is drawn even into a
@@ -235,6 +243,7 @@ def test_fit_with_the_progress_bar_asked_for_keeps_it(tmp_path):
     assert not [line for line in proc.stdout.splitlines() if line.startswith("epoch 1/1")]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_resume_prints_the_checkpoint_folder_warning_once(fitted_to_a_file):
     """``fit --ckpt_path .../last.ckpt`` on 2 ranks logs into a new ``version_N/``; Lightning's

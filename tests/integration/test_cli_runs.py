@@ -90,6 +90,7 @@ def fitted(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return cwd, proc
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_fit_keeps_last_ckpt_and_one_events_file(fitted):
     """``fit`` writes ``checkpoints/last.ckpt`` as a plain file (it survives copying the file
@@ -113,6 +114,7 @@ def test_fit_keeps_last_ckpt_and_one_events_file(fitted):
     assert _versions(cwd) == {"version_0"}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_test_and_predict_from_last_ckpt_leave_the_fit_folder_alone(fitted):
     """``test --ckpt_path .../last.ckpt`` logs into a new ``version_N/`` (Lightning's rule) and
@@ -140,6 +142,7 @@ def test_test_and_predict_from_last_ckpt_leave_the_fit_folder_alone(fitted):
     assert _listing(version) == before
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_fit_resumes_from_last_ckpt(fitted):
     """``fit --ckpt_path .../last.ckpt --trainer.max_epochs=3`` continues at epoch 2: one more
@@ -161,6 +164,7 @@ def test_fit_resumes_from_last_ckpt(fitted):
     assert _listing(cwd / "lightning_logs" / "version_0") == before
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_failed_run_leaves_no_version_folder(tmp_path):
     """A run that fails after its logger created ``version_N/`` (a missing ``--ckpt_path``)
@@ -192,6 +196,7 @@ def test_failed_run_leaves_no_version_folder(tmp_path):
     [["--trainer.devices=3", "--data.num_parts=2"], ["--data.data=NoSuchDataset"]],
     ids=["devices-vs-num_parts", "unknown-dataset"],
 )
+@pytest.mark.slow
 def test_configuration_error_leaves_no_version_folder(args, tmp_path):
     """The configuration errors of the first-hour report fail before anything is written.
 
@@ -203,6 +208,7 @@ def test_configuration_error_leaves_no_version_folder(args, tmp_path):
     assert not (tmp_path / "config.yaml").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_run_failing_mid_training_keeps_its_folder(tmp_path):
     """A run that logged an epoch before failing keeps its folder and events (no checkpoint
@@ -227,6 +233,7 @@ def test_run_failing_mid_training_keeps_its_folder(tmp_path):
     assert len(_scalars(version)["train_loss"]) >= 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_user_model_checkpoint_from_yaml_replaces_the_default(tmp_path):
     """A ``ModelCheckpoint`` given in YAML is the only one: its files and nothing else (no
@@ -285,6 +292,7 @@ class PlainModule(pl.LightningModule):
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_any_lightning_module_by_class_path(tmp_path):
     """``--model.class_path`` takes any LightningModule (the CLI's docs promise it), with its

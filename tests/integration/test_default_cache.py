@@ -54,6 +54,7 @@ def _run(code: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProce
     )
 
 
+@pytest.mark.slow
 def test_python_started_from_the_temporary_folder_imports_the_package_after_a_run(tmp_path) -> None:
     """After a partitioning with the default cache, ``python -c "from lightning_fullgraph
     import FullGraphDataModule"`` started from ``$TMPDIR`` succeeds, and the partitions are
@@ -75,6 +76,7 @@ def test_python_started_from_the_temporary_folder_imports_the_package_after_a_ru
     assert not (tmp / "lightning_fullgraph").exists(), sorted(p.name for p in tmp.iterdir())
 
 
+@pytest.mark.slow
 def test_xdg_cache_home_and_the_overrides_are_honoured(tmp_path) -> None:
     """``$XDG_CACHE_HOME`` moves the default; ``LIGHTNING_FULLGRAPH_CACHE`` overrides it."""
     xdg = tmp_path / "xdg"
@@ -89,6 +91,7 @@ def test_xdg_cache_home_and_the_overrides_are_honoured(tmp_path) -> None:
     assert Path(run.stdout.split()[-1]).parent == chosen
 
 
+@pytest.mark.slow
 def test_an_old_default_cache_is_named_once_with_how_to_remove_it(tmp_path) -> None:
     """An earlier version's ``<tmp>/lightning_fullgraph/partitions`` is not used (its
     partitions are of an older format); one warning line names it, why it matters and the

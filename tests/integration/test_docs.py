@@ -29,6 +29,7 @@ def readme_example() -> str:
     return section.split("```python", 1)[1].split("```", 1)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_readme_example_runs_as_written(shared_datasets, tmp_path) -> None:
     """Negative control: a renamed public name (e.g. ``FullGraphDataModule``) or a changed

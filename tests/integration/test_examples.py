@@ -167,6 +167,7 @@ def _one_epoch_args(config: Path, shared: Path | None) -> list[str]:
 OFFLINE_CONFIGS = [p for p in ALL_CONFIGS if _is_offline(p)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("config", OFFLINE_CONFIGS, ids=lambda p: p.name)
 def test_offline_config_trains_one_epoch(config, request, monkeypatch, data_cache, capsys):
@@ -201,6 +202,7 @@ def _user_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_train_custom_module_script(tmp_path):
     """`python examples/train_custom_module.py` as a user runs it: 2 ranks, popen launcher."""

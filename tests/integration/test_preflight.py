@@ -219,6 +219,7 @@ def _check_refused_before_launch(
     print(f"{case}: refused in {elapsed:.1f} s, {len(proc.stdout.splitlines())} lines of output")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", ["parts", "masks", "conv"])
 def test_a_script_with_a_configuration_error_fails_before_any_rank_starts(tmp_path, case: str) -> None:
@@ -235,6 +236,7 @@ def test_a_script_with_a_configuration_error_fails_before_any_rank_starts(tmp_pa
     _check_refused_before_launch(tmp_path, proc, elapsed, case)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", ["parts", "no-train", "conv"])
 def test_the_cli_with_a_configuration_error_fails_before_any_rank_starts(tmp_path, case: str) -> None:
@@ -259,6 +261,7 @@ def test_the_cli_with_a_configuration_error_fails_before_any_rank_starts(tmp_pat
     ],
     ids=["one-rank", "every-rank", "in-loop"],
 )
+@pytest.mark.slow
 def test_an_error_found_inside_a_rank_is_the_last_thing_printed_once(
     tmp_path, case: str, error: str, fix: str
 ) -> None:

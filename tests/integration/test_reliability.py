@@ -60,6 +60,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(("victim", "mode"), [(0, "exact"), (1, "sylvie")])
 def test_a_killed_rank_stops_the_others_without_orphans(tmp_path, victim: int, mode: str) -> None:

@@ -46,6 +46,7 @@ def _calls(log: Path) -> list[int]:
     return [int(line) for line in log.read_text().split()] if log.exists() else []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_partition_command_reports_time_and_memory_and_reuses_the_cache(tmp_path, capsys) -> None:
     """``partition --data products-like --dataset-kwargs ... --json`` reports per-phase wall

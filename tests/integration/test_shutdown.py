@@ -219,6 +219,7 @@ def _check_stopped(run: Run, sent: float, signum: int) -> None:
     [("exact", True), ("sylvie", True), ("exact", False), ("adaqp", False)],
     ids=["exact-rank0-slow", "sylvie-rank0-slow", "exact", "adaqp"],
 )
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_every_rank(run_script, mode: str, slow: bool) -> None:
     """SIGTERM to the launcher mid-training: every rank gone within 10 s, status 143.
 
@@ -237,6 +238,7 @@ def test_sigterm_to_the_launcher_stops_every_rank(run_script, mode: str, slow: b
     assert "Received SIGTERM: 15" not in run.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ctrl_c_stops_every_rank(run_script) -> None:
     """SIGINT to every process of the job (Ctrl+C in a terminal) while rank 0 is slow: all gone
@@ -269,6 +271,7 @@ CLI_CALLBACK = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sigint_to_the_cli_launcher_stops_every_rank(tmp_path) -> None:
     """`python -m lightning_fullgraph fit`, SIGINT to the launcher only: status 130, no rank left.
@@ -292,6 +295,7 @@ def test_sigint_to_the_cli_launcher_stops_every_rank(tmp_path) -> None:
         run.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_rank_stalled_past_the_timeout_leaves_no_orphan(run_script) -> None:
     """Sylvie, rank 1 sleeps 60 s (timeout 10 s): rank 0 fails with the timeout, and rank 1 is
@@ -310,6 +314,7 @@ def test_a_rank_stalled_past_the_timeout_leaves_no_orphan(run_script) -> None:
     assert not left, f"processes {left} outlived the launcher by {GRACE + 6.0:.0f} s:\n{run.stderr[-2000:]}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_configuration_error_is_not_blamed_on_the_halo_exchange(run_script) -> None:
     """Rank 1 raises a configuration error in setup; rank 0 then loses its peer in a barrier.

@@ -260,6 +260,7 @@ def _assert_same_plan(a: list[dict], b: list[dict]) -> None:
                 assert x[k] == y[k], k
 
 
+@pytest.mark.slow
 def test_large_parts_are_numbered_in_forked_children_at_once(monkeypatch, tmp_path) -> None:
     """With ``order_workers=2`` every part above the METIS threshold is numbered in a process
     other than this one, two of them at the same time, and the plan is the one numbered

@@ -210,6 +210,22 @@ def test_guard_off_and_rise_under_synchronous_training_do_not_react() -> None:
     assert sync.guard.reactions == [] and sync.summary(3) is None
 
 
+def test_the_compute_only_bound_keeps_the_schedule_whatever_its_loss() -> None:
+    """Under ``compute_only`` (halo rows are zeros, the loss means nothing) the guard never
+    reacts, so the bound runs the schedule the mode runs on a converging loss.
+
+    Negative control: observing the loss under ``compute_only`` too makes epoch 4 synchronous
+    (the rise at epoch 3 is a reaction), and the schedule assertion fails."""
+    import dataclasses
+
+    policy = SylviePolicy(staleness=100, guard=0.1, guard_cooldown=2)
+    policy.setup(dataclasses.replace(_env(_plan()), compute_only=True))
+    losses = [2.0, 1.8, 1.7, 2.0, 1.6, 1.5]
+    assert [_run_epoch(policy, e, loss)[0] for e, loss in enumerate(losses)] == [True, False, False, False,
+                                                                                 False, False]
+    assert policy.guard.reactions == []
+
+
 def test_guard_ignores_the_relative_noise_of_a_loss_near_zero() -> None:
     """Late in training a loss of 0.05 that reads 0.08 next epoch (+60 %; seen on Cora) is
     noise, not divergence: the rise must exceed ``guard`` times half the first loss (2.0 here).

@@ -216,6 +216,7 @@ def _measure(call: str, prefix: str = "") -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_generation_memory_is_bounded_by_the_graph_size() -> None:
     """Generating 10^5 nodes at degree 50 (5*10^6 directed edges) in a fresh process grows its
@@ -294,6 +295,7 @@ def test_metis_on_a_sample_keeps_the_partition_quality(graph) -> None:
         partition_graph(graph.edge_index, N, 4, metis_max_edges=0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_locality_gives_metis_structure_to_find_and_ids_hide_it() -> None:
     """The nested blocks (``locality``, generator version 2) give METIS a smaller halo: at

@@ -12,6 +12,7 @@ import pytest
 from lightning_fullgraph._warnings import ScopedWarningFilter
 
 
+@pytest.mark.slow
 def test_import_leaves_the_process_warning_filters_alone() -> None:
     """Importing the package (strategy, models, CLI) adds no warnings filter.
 
@@ -75,6 +76,7 @@ print("CONTROL", any("LeafSpec" in str(w.message) for w in seen))
 """
 
 
+@pytest.mark.slow
 def test_lightning_leafspec_warning_does_not_reach_the_user() -> None:
     """Lightning 2.6 on torch >= 2.13 warns ``isinstance(treespec, LeafSpec) is deprecated``
     from every loop's ``setup_data`` (its ``CombinedLoader``); the strategy ignores exactly that

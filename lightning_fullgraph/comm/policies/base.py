@@ -86,6 +86,9 @@ class PolicyEnv:
     #: halo rows' share of the aggregation inputs of the whole graph (edges from halo rows over
     #: all edges plus one self term per node; the same on every rank)
     halo_share: float = 0.0
+    #: the benchmark bound (``FullGraphStrategy(compute_only=True)``): halo rows arrive as zeros,
+    #: so the training loss says nothing about the method and no decision may read it
+    compute_only: bool = False
 
 
 class CompressionPolicy:
