@@ -60,14 +60,12 @@ from lightning_fullgraph.reporting import (
 )
 from lightning_fullgraph.training import (
     LOSS_WEIGHTINGS,
+    StageLogging,
     all_reduce_gradients,
-    forget_empty_means,
     gather_node_outputs,
     global_loss_and_seconds,
     gradient_snapshot,
     loss_scale,
-    mean_over_ranks_with_nodes,
-    stage_nodes,
 )
 
 if TYPE_CHECKING:
@@ -229,11 +227,7 @@ class FullGraphStrategy(DDPStrategy):
         self._in_step = False
         self._step_started = 0.0
         self._grads_before: dict[Tensor, Tensor | None] | None = None
-        # the stage whose step is running (its mask names it), for reduce()
-        self._logging_stage: str | None = None
-        # this rank's node count per stage mask, and the stages where some rank has none
-        self._stage_nodes: dict[str, int] = {}
-        self._empty_stages: frozenset[str] = frozenset()
+        self._logging = StageLogging()
         # per rank: owned rows, halo rows, edges from halo rows, edges (set at setup)
         self._rank_figures = torch.zeros(1, 4, dtype=torch.float64)
         # one-time bytes (sent, received) counted when the last training step ended
@@ -309,7 +303,7 @@ class FullGraphStrategy(DDPStrategy):
             if isinstance(value, Tensor) and value.dim() > 0 and value.size(0) == plan.num_owned:
                 self._exchanger.register_static(value)
         self.halo_share, self._rank_figures = graph_figures(partition, self.world_size, self.root_device)
-        self._stage_nodes, self._empty_stages = stage_nodes(partition, self.world_size, self.root_device)
+        self._logging.setup(partition, self.world_size, self.root_device)
         fitting = trainer.state.fn == TrainerFn.FITTING
         max_epochs = trainer.max_epochs if fitting else None
         self.policy.setup(
@@ -392,56 +386,40 @@ class FullGraphStrategy(DDPStrategy):
             exchanger.begin_step(training=True)
             self._in_step = True
             self._step_started = time.perf_counter()
-        self._set_log_batch_size("train_mask")
+        self._logging.begin(self._results(), self._partition, "train_mask")
         try:
             out = super().training_step(*args, **kwargs)
         finally:
-            self._logging_stage = None
+            self._logging.end()
         module = self.lightning_module
         if module is not None and not module.automatic_optimization:
             # every backward call of the step has run
             self._end_training_step()
-        self._forget_empty_means("train_mask")
+        self._logging.forget_empty(self._results(), "train_mask")
         return out
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._set_log_batch_size("val_mask")
+        self._logging.begin(self._results(), self._partition, "val_mask")
         try:
             return super().validation_step(*args, **kwargs)
         finally:
-            self._logging_stage = None
-            self._forget_empty_means("val_mask")
+            self._logging.end()
+            self._logging.forget_empty(self._results(), "val_mask")
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._set_log_batch_size("test_mask")
+        self._logging.begin(self._results(), self._partition, "test_mask")
         try:
             return super().test_step(*args, **kwargs)
         finally:
-            self._logging_stage = None
-            self._forget_empty_means("test_mask")
+            self._logging.end()
+            self._logging.forget_empty(self._results(), "test_mask")
 
-    def _set_log_batch_size(self, mask_key: str) -> None:
-        """The ``batch_size`` of the step's ``self.log`` calls: this rank's nodes in the stage's
-        mask.  Lightning cannot infer it from a graph (it warns and uses 1), and with it an
-        epoch mean logged with ``sync_dist=True`` is the mean over all nodes of the stage,
-        weighted by each rank's share, instead of a plain average of ranks of different size.
-        An explicit ``batch_size=`` in ``self.log`` still wins."""
+    def _results(self) -> Any:
+        """Lightning's ``trainer._results`` (what ``self.log`` accumulates into), or ``None``."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        results = getattr(trainer, "_results", None) if trainer is not None else None
-        if results is None or self._partition is None:
-            return
-        mask = getattr(self._partition.data, mask_key, None)
-        count = int(mask.sum()) if isinstance(mask, Tensor) and mask.dtype == torch.bool else 1
-        results.batch_size = count
-        self._logging_stage = mask_key
-
-    def _forget_empty_means(self, mask_key: str) -> None:
-        if self._stage_nodes.get(mask_key, 1) > 0:
-            return  # (only a rank without nodes in the stage logs means of weight 0)
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        forget_empty_means(getattr(trainer, "_results", None) if trainer is not None else None)
+        return getattr(trainer, "_results", None) if trainer is not None else None
 
     @override
     def reduce(
@@ -450,25 +428,19 @@ class FullGraphStrategy(DDPStrategy):
         """Lightning's reduction (``self.log(..., sync_dist=True)``, ``strategy.reduce``), with
         two corrections to a mean over ranks:
 
-        * inside a step whose stage has a rank without nodes (``_empty_stages``, the same on
-          every rank), the ranks without nodes are left out -- their value, a mean over no
-          node, is meaningless (NaN for a loss): ``sum_r has_r x_r / sum_r has_r``;
+        * inside a step whose stage has a rank without nodes (the same on every rank;
+          :class:`~lightning_fullgraph.training.StageLogging`), the ranks without nodes are
+          left out -- their value, a mean over no node, is meaningless (NaN for a loss):
+          ``sum_r has_r x_r / sum_r has_r``;
         * an integer tensor's mean is a float (Lightning's divides in place and floors: the
           summed batch sizes 21 + 0 of an epoch mean became 10, not 10.5, skewing the
           weighted epoch value).
         """
         mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
-        stage = self._logging_stage
-        excluding = stage is not None and stage in self._empty_stages
-        if (
-            not mean
-            or self.world_size == 1
-            or not isinstance(tensor, Tensor)
-            or (tensor.is_floating_point() and not excluding)
-        ):
+        corrected = self._logging.mean(tensor, group, self.world_size, mean)
+        if corrected is None:
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
-        has = not excluding or self._stage_nodes.get(stage, 1) > 0  # type: ignore[arg-type]
-        return mean_over_ranks_with_nodes(tensor, has, group)
+        return corrected
 
     @override
     def backward(

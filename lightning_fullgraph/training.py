@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LOSS_WEIGHTINGS",
     "STAGE_MASKS",
+    "StageLogging",
     "all_reduce_gradients",
     "forget_empty_means",
     "gather_node_outputs",
@@ -258,3 +259,60 @@ def global_loss_and_seconds(
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
     loss, mean_seconds = (float(v) for v in total.tolist())
     return loss, mean_seconds
+
+
+class StageLogging:
+    """What a rank's ``self.log`` calls need in each stage (training, validation, test).
+
+    * The batch size: this rank's nodes in the stage's mask.  Lightning cannot infer it from a
+      graph (it warns and uses 1); with it an epoch mean logged with ``sync_dist=True`` is the
+      mean over all nodes of the stage, weighted by each rank's share, instead of a plain
+      average of ranks of different size.  An explicit ``batch_size=`` in ``self.log`` still
+      wins.
+    * In a stage where some rank owns no node (:func:`stage_nodes`, the same on every rank), a
+      mean over ranks leaves those ranks out (:func:`mean_over_ranks_with_nodes`), and the
+      rank's accumulated means of weight 0 are made 0 (:func:`forget_empty_means`).
+    """
+
+    def __init__(self) -> None:
+        #: this rank's node count per stage mask
+        self.nodes: dict[str, int] = {}
+        #: the stages where some rank has no node
+        self.empty: frozenset[str] = frozenset()
+        #: the mask of the stage whose step is running (``None`` between steps)
+        self.stage: str | None = None
+
+    def setup(self, partition: LocalPartition, world_size: int, device: torch.device) -> None:
+        """Counts every rank's nodes per stage (one all-reduce)."""
+        self.nodes, self.empty = stage_nodes(partition, world_size, device)
+
+    def begin(self, results: Any, partition: LocalPartition | None, mask_key: str) -> None:
+        """A step of the stage named by ``mask_key`` starts: sets Lightning's batch size
+        (``results``: ``trainer._results``)."""
+        if results is None or partition is None:
+            return
+        mask = getattr(partition.data, mask_key, None)
+        count = int(mask.sum()) if isinstance(mask, Tensor) and mask.dtype == torch.bool else 1
+        results.batch_size = count
+        self.stage = mask_key
+
+    def end(self) -> None:
+        """The step's own ``self.log`` calls are over."""
+        self.stage = None
+
+    def forget_empty(self, results: Any, mask_key: str) -> None:
+        """After a step: on a rank without nodes in the stage, means of weight 0 become 0."""
+        if self.nodes.get(mask_key, 1) > 0:
+            return
+        forget_empty_means(results)
+
+    def mean(self, tensor: Any, group: Any | None, world_size: int, mean: bool) -> Tensor | None:
+        """The corrected mean over ranks of a logged value, or ``None`` where Lightning's own
+        reduction is right (not a mean, one rank, not a tensor, or a float tensor in a stage
+        where every rank has nodes).  A collective when it returns a tensor."""
+        stage = self.stage
+        excluding = stage is not None and stage in self.empty
+        if not mean or world_size == 1 or not isinstance(tensor, Tensor) or (tensor.is_floating_point() and not excluding):
+            return None
+        has = not excluding or self.nodes.get(stage, 1) > 0  # type: ignore[arg-type]
+        return mean_over_ranks_with_nodes(tensor, has, group)

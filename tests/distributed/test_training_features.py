@@ -226,7 +226,7 @@ def test_a_rank_without_training_nodes_does_not_poison_the_logged_loss(tmp_path)
     epoch and step values equal the single-process loss, and ``EarlyStopping`` on the loss
     (which stops at once on a non-finite value) lets all epochs run.
 
-    Negative controls, each run and failing: without ``_forget_empty_means`` the epoch value
+    Negative controls, each run and failing: without ``StageLogging.forget_empty`` the epoch value
     is NaN (NaN x 0) and early stopping ends training after 1 epoch; without the mean over
     ranks with nodes in ``FullGraphStrategy.reduce`` ``train_loss_step`` is NaN; with
     Lightning's integer mean of the summed batch sizes (21 + 0 nodes -> 10, not 10.5) the
@@ -262,7 +262,7 @@ def test_the_custom_module_example_logs_a_finite_loss_with_an_empty_rank(tmp_pat
     that owns no training node: ``EarlyStopping(monitor="train_loss")`` runs every epoch and
     the logged value equals single-process training's (dropout 0).
 
-    Negative control: without ``_forget_empty_means`` ``train_loss`` is NaN and early
+    Negative control: without ``StageLogging.forget_empty`` ``train_loss`` is NaN and early
     stopping stops after the first epoch: this test fails.
     """
     example = _example_module()
