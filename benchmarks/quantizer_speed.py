@@ -9,7 +9,9 @@ Prints, for 1/2/4/8 bits, GB/s of float32 *input* (``rows * cols * 4`` bytes per
 
 beside ``x.clone()`` (allocate + copy) and ``copy_`` into an existing tensor (one read and one
 write of the same bytes: the physical reference; ``q/copy`` and ``dq/copy`` give ``q+pack`` and
-``dq(out=)`` as fractions of it, from the same run), and the wire size:
+``dq(out=)`` as fractions of it, from the same run), ``rng`` (the share of ``q+pack`` spent
+drawing the dither: 16 random bits per value from the generator, into the quantizer's int32
+dither buffer, as ``quantize`` does), and the wire size:
 bytes per row (16-bit row metadata + packed levels) and how many times fewer than float32.
 Every figure is the median of ``--repeats`` calls after a warm-up call.  ``--timer cpu``
 measures the thread's CPU time instead of wall-clock time, which is steadier when other
@@ -112,7 +114,16 @@ def main() -> None:
     # the physical reference: one read and one write of the same fp32 bytes, in this run
     copy_rate = rate(lambda: scratch.copy_(x))
     print(f"copy_ (no alloc){copy_rate:7.2f} GB/s   (q/copy, dq/copy: each codec direction as a fraction of it)")
-    header = f"{'bits':>4} {'q+pack':>8} {'unpack+dq':>10} {'dq(out=)':>9} {'q/copy':>7} {'dq/copy':>8}"
+    # the dither alone, as quantize draws it: 64 random bits give four 16-bit dithers
+    rand = torch.empty(-(-x.numel() // 4), dtype=torch.int64, device=dev)
+    dither = torch.empty(x.numel(), dtype=torch.int32, device=dev)
+
+    def draw() -> None:
+        rand.random_(-(1 << 63), None, generator=gen)
+        dither.copy_(rand.view(torch.int16)[: x.numel()])
+
+    t_rng = measure(draw, args.repeats, timer)
+    header = f"{'bits':>4} {'q+pack':>8} {'unpack+dq':>10} {'dq(out=)':>9} {'q/copy':>7} {'dq/copy':>8} {'rng':>5}"
     if not args.no_naive:
         header += f" {'naive q':>8} {'naive dq':>9} {'speedup q/dq':>13}"
     header += f" {'bytes/row':>9} {'vs fp32':>8}"
@@ -122,7 +133,8 @@ def main() -> None:
         r_q = rate(lambda bits=bits: quantize(x, bits, gen))
         r_dq = rate(lambda q=q: dequantize(q))
         r_dqo = rate(lambda q=q: dequantize(q, out=scratch))
-        line = f"{bits:>4} {r_q:8.2f} {r_dq:10.2f} {r_dqo:9.2f} {r_q / copy_rate:7.2f} {r_dqo / copy_rate:8.2f}"
+        line = (f"{bits:>4} {r_q:8.2f} {r_dq:10.2f} {r_dqo:9.2f} {r_q / copy_rate:7.2f} {r_dqo / copy_rate:8.2f}"
+                f" {t_rng * r_q / gb:5.2f}")
         if not args.no_naive:
             packed, mn, rng = naive_quantize(x, bits, gen)
             n_q = rate(lambda bits=bits: naive_quantize(x, bits, gen))

@@ -38,8 +38,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_fullgraph.comm.codec import LayoutCache
 from lightning_fullgraph.comm.messages import Message, send_encoded, send_rows
-from lightning_fullgraph.comm.path import Pending, append_halo, split_halo_grad
+from lightning_fullgraph.comm.path import Pending, append_halo, halo_buffer, split_halo_grad
 from lightning_fullgraph.comm.plan import HaloPlan
 from lightning_fullgraph.comm.policies.base import CompressionPolicy
 from lightning_fullgraph.comm.policies.exact import ExactPolicy
@@ -63,6 +64,8 @@ class HaloExchanger:
     def __init__(self, plan: HaloPlan, group: Any = None, policy: CompressionPolicy | None = None) -> None:
         self.transport = HaloTransport(plan, group)
         self.policy = policy if policy is not None else ExactPolicy()
+        # message layouts per bit-width table: recomputed only when a policy re-assigns
+        self.layouts = LayoutCache()
         # inside a training step (the policy decides) or not (fp32, synchronous)
         self.training = False
         self._layer = 0
@@ -109,21 +112,25 @@ class HaloExchanger:
         return any(r() is x for r in self._static_refs)
 
     # -- sending --------------------------------------------------------------------------
-    def launch(self, rows: Tensor, layer: int | None, direction: str, kind: str = "message") -> Message:
+    def launch(
+        self, rows: Tensor, layer: int | None, direction: str, kind: str = "message", out: Tensor | None = None
+    ) -> Message:
         """Starts one message: ``rows`` are the sent rows (forward: ``[S, F]`` in send order;
         backward: ``[H, F]`` gradients in halo order).  Inside a training step a layer's
         message travels at the bit-widths its policy gives (encoded around the transport, the
         rows' ranges handed back to the policy); otherwise as it is.  Returns the message in
-        flight: ``wait()`` gives the received rows, ``received()`` them as they arrived."""
+        flight: ``wait()`` gives the received rows (received or decoded straight into ``out``
+        when given), ``received()`` them as they arrived."""
         counts = self.plan.counts(direction)
         bits = None
         if self.training and layer is not None:
             bits = self.policy.message_bits(layer, direction)
         if bits is None:
-            return send_rows(self.transport, rows, *counts, kind=kind, layer=layer, direction=direction)
+            return send_rows(self.transport, rows, *counts, kind=kind, layer=layer, direction=direction, out=out)
         message, row_range = send_encoded(
             self.transport, rows, *counts, bits,
             generator=self.policy.generator, kind=kind, layer=layer, direction=direction,
+            layouts=self.layouts, out=out,
         )
         self.policy.observe(layer, direction, row_range, rows.size(1))
         return message
@@ -135,11 +142,17 @@ class HaloExchanger:
                 f"halo exchange expects the {self.plan.num_owned} rows this rank owns, got {x.size(0)} rows"
             )
 
-    def fetch(self, x: Tensor, layer: int | None = None, kind: str = "message") -> Tensor:
+    def fetch(self, x: Tensor, layer: int | None = None, kind: str = "message", full: bool = False) -> Tensor:
         """Halo rows of ``x`` (no autograd): ``[N_r, *] -> [H_r, *]``; quantized when inside a
-        training step the policy says so for ``layer``."""
+        training step the policy says so for ``layer``.  With ``full``, ``cat(x, halo)``
+        ``[N_r + H_r, *]`` with the halo rows received (or decoded) straight into it."""
         self.check_rows(x)
-        return self.launch(x.detach().index_select(0, self.plan.send_index), layer, "forward", kind).wait()
+        rows = x.detach().index_select(0, self.plan.send_index)
+        if not full:
+            return self.launch(rows, layer, "forward", kind).wait()
+        buffer, halo = halo_buffer(x.detach(), self.plan.num_halo)
+        self.launch(rows, layer, "forward", kind, out=halo).wait()
+        return buffer
 
     def push_back(self, grad_halo: Tensor, layer: int | None = None) -> Tensor:
         """Sends halo-row gradients home and sums them at the owners: ``[H_r, *] -> [N_r, *]``."""
@@ -253,7 +266,7 @@ class HaloExchanger:
         self.stats.forward_exchanges += 1
         if grad:
             return self.policy.exchange_halo(self, x, layer, full)
-        return append_halo(x, self.fetch(x, layer), full)
+        return self.fetch(x, layer, full=full)
 
     def _fetch_unnumbered(self, x: Tensor, exact: bool) -> Tensor:
         # Only registered tensors (the batch's own, the same role on every rank) are cached:
@@ -283,7 +296,7 @@ class _HaloExchangeFn(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, exchanger: HaloExchanger, layer: int | None, full: bool = False) -> Tensor:
         ctx.exchanger, ctx.layer = exchanger, layer
         ctx.full, ctx.num_owned = full, x.size(0)
-        return append_halo(x, exchanger.fetch(x, layer), full)
+        return exchanger.fetch(x, layer, full=full)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:

@@ -20,7 +20,7 @@ import time
 import torch
 from torch import Tensor
 
-from lightning_fullgraph.comm.codec import ReceivedRows, decode_rows, encode_rows, message_nbytes
+from lightning_fullgraph.comm.codec import LayoutCache, MessageLayout, ReceivedRows, decode_rows, encode_rows
 from lightning_fullgraph.comm.quantize import META_NBYTES
 from lightning_fullgraph.comm.transport import CommStats, HaloTransport, Transfer
 
@@ -35,10 +35,18 @@ class EncodedTransfer:
     refers back to it, so the received bytes die with the last reference.
     """
 
-    __slots__ = ("_bits", "_counts", "_dtype", "_row_len", "_stats", "_transfer")
+    __slots__ = ("_bits", "_counts", "_dtype", "_layout", "_out", "_row_len", "_stats", "_transfer")
 
     def __init__(
-        self, transfer: Transfer, bits: Tensor, counts: list[int], row_len: int, dtype: torch.dtype, stats: CommStats
+        self,
+        transfer: Transfer,
+        bits: Tensor,
+        counts: list[int],
+        row_len: int,
+        dtype: torch.dtype,
+        stats: CommStats,
+        layout: MessageLayout | None = None,
+        out: Tensor | None = None,
     ) -> None:
         self._transfer = transfer
         self._bits = bits
@@ -46,21 +54,27 @@ class EncodedTransfer:
         self._row_len = row_len
         self._dtype = dtype
         self._stats = stats
+        self._layout = layout
+        self._out = out
 
     def wait(self) -> Tensor:
         """Waits and returns the decoded ``[sum(recv_counts), F]`` rows in the sender's dtype
-        (decoding counted in ``quant_time``)."""
+        (decoding counted in ``quant_time``): decoded straight into the ``out`` rows given to
+        :func:`send_encoded` when there are (float32 rows of a float32 message)."""
         buf = self._transfer.wait()
         t = time.perf_counter()
-        out = decode_rows(buf, self._bits, self._counts, self._row_len).to(self._dtype)
+        out = self._out if self._dtype == torch.float32 else None
+        rows = decode_rows(buf, self._bits, self._counts, self._row_len, self._layout, out).to(self._dtype)
+        if self._out is not None and out is None:
+            rows = self._out.copy_(rows)
         self._stats.quant_time += time.perf_counter() - t
-        return out
+        return rows
 
     def received(self) -> ReceivedRows:
         """Waits and returns what arrived without decoding it, a
         :class:`~lightning_fullgraph.comm.codec.ReceivedRows` (for keeping it small)."""
         buf = self._transfer.wait()
-        return ReceivedRows(buf, self._bits, self._counts, self._row_len, self._dtype, self._stats)
+        return ReceivedRows(buf, self._bits, self._counts, self._row_len, self._dtype, self._stats, self._layout)
 
 
 #: A message in flight: ``wait()`` gives the rows, ``received()`` the message as it arrived.
@@ -76,11 +90,13 @@ def send_rows(
     kind: str = "message",
     layer: int | None = None,
     direction: str = "forward",
+    out: Tensor | None = None,
 ) -> Transfer:
     """Starts a message of ``rows`` (``[sum(send_counts), *]``, peer-contiguous) in their own
-    dtype; a layer's message (``kind="message"``, ``layer`` given) counts its values at their
-    dtype's bits."""
-    transfer = transport.start(rows, send_counts, recv_counts, kind=kind)
+    dtype, received into ``out`` when given (:meth:`HaloTransport.start
+    <lightning_fullgraph.comm.transport.HaloTransport.start>`); a layer's message
+    (``kind="message"``, ``layer`` given) counts its values at their dtype's bits."""
+    transfer = transport.start(rows, send_counts, recv_counts, kind=kind, out=out)
     if kind == "message" and layer is not None:
         vbits = 8 * rows.element_size()
         n = rows.numel()
@@ -99,6 +115,8 @@ def send_encoded(
     kind: str = "message",
     layer: int | None = None,
     direction: str = "forward",
+    layouts: LayoutCache | None = None,
+    out: Tensor | None = None,
 ) -> tuple[EncodedTransfer, Tensor]:
     """Encodes ``rows`` at per-row bit-widths, starts the transfer of the bytes, and returns
     ``(handle, row ranges)``.
@@ -109,6 +127,10 @@ def send_encoded(
         generator: Random stream of the stochastic rounding.
         kind: The transfer's kind (:mod:`~lightning_fullgraph.comm.transport`).
         layer, direction: Which message this is (for the per-layer counters).
+        layouts: Where the two messages' layouts are kept between calls (computed per call
+            when ``None``).
+        out: ``[sum(recv_counts), F]`` rows of ``rows``' dtype the received rows are decoded
+            into (e.g. the halo rows of the buffer the conv reads); a new tensor when ``None``.
 
     Returns:
         The :class:`EncodedTransfer` and the ``[S]`` per-row ``max - min`` of the encoded rows
@@ -118,11 +140,14 @@ def send_encoded(
     send_bits, recv_bits = bits
     row_len = rows.size(1)
     t0 = time.perf_counter()
-    enc = encode_rows(rows.detach().float(), send_bits, send_counts, generator=generator)
-    recv_nbytes = message_nbytes(recv_bits, recv_counts, row_len)
+    cache = layouts if layouts is not None else LayoutCache(2)
+    send_layout = cache.get(send_bits, send_counts, row_len)
+    recv_layout = cache.get(recv_bits, recv_counts, row_len)
+    enc = encode_rows(rows.detach().float(), send_bits, send_counts, generator=generator, layout=send_layout)
     stats.quant_time += time.perf_counter() - t0
     if layer is not None:
-        payload = int(send_bits.sum()) * row_len
+        payload = send_layout.payload_bits
         stats.record_message(layer, direction, rows.numel(), payload, payload + 8 * META_NBYTES * rows.size(0))
-    transfer = transport.start(enc.buffer, enc.nbytes, recv_nbytes, kind=kind)
-    return EncodedTransfer(transfer, recv_bits, recv_counts, row_len, rows.dtype, stats), enc.rng
+    transfer = transport.start(enc.buffer, enc.nbytes, recv_layout.nbytes, kind=kind)
+    handle = EncodedTransfer(transfer, recv_bits, recv_counts, row_len, rows.dtype, stats, recv_layout, out)
+    return handle, enc.rng

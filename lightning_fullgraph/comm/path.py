@@ -26,7 +26,7 @@ from lightning_fullgraph.comm.messages import Message
 from lightning_fullgraph.comm.plan import HaloPlan
 from lightning_fullgraph.comm.transport import CommStats
 
-__all__ = ["Exchanger", "Pending", "append_halo", "split_halo_grad"]
+__all__ = ["Exchanger", "Pending", "append_halo", "halo_buffer", "split_halo_grad"]
 
 
 class Pending:
@@ -55,11 +55,13 @@ class Exchanger(Protocol):
         """Refuses ``x`` unless it has the rows this rank owns."""
         ...
 
-    def fetch(self, x: Tensor, layer: int | None = None, kind: str = "message") -> Tensor:
-        """Halo rows of ``x`` (no autograd), waited for."""
+    def fetch(self, x: Tensor, layer: int | None = None, kind: str = "message", full: bool = False) -> Tensor:
+        """Halo rows of ``x`` (no autograd), waited for (with ``full``: ``cat(x, halo)``)."""
         ...
 
-    def launch(self, rows: Tensor, layer: int | None, direction: str, kind: str = "message") -> Message:
+    def launch(
+        self, rows: Tensor, layer: int | None, direction: str, kind: str = "message", out: Tensor | None = None
+    ) -> Message:
         """Starts one message of ``rows`` (sent rows forward, halo-row gradients backward)."""
         ...
 
@@ -79,6 +81,16 @@ class Exchanger(Protocol):
 def append_halo(x: Tensor, rows: Tensor, full: bool) -> Tensor:
     """A path's output: ``cat(x, rows)`` with ``full``, else the halo ``rows``."""
     return torch.cat([x, rows], dim=0) if full else rows
+
+
+def halo_buffer(x: Tensor, num_halo: int) -> tuple[Tensor, Tensor]:
+    """``(buffer, halo)``: a new contiguous ``[N_r + H_r, *]`` tensor holding ``x`` in its first
+    ``N_r`` rows, and the view of its last ``H_r`` rows, for a message to be received or
+    decoded into (what :func:`append_halo` gives with ``full``, without the copy of the halo
+    rows)."""
+    buffer = x.new_empty((x.size(0) + num_halo,) + tuple(x.shape[1:]))
+    buffer[: x.size(0)].copy_(x)
+    return buffer, buffer[x.size(0) :]
 
 
 def split_halo_grad(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor | None]:

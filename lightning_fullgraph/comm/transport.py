@@ -134,7 +134,15 @@ class HaloTransport:
         self.skip_transfers = False
         self.distributed = plan.world_size > 1 and dist.is_available() and dist.is_initialized()
 
-    def start(self, send: Tensor, send_counts: list[int], recv_counts: list[int], *, kind: str = "message") -> Transfer:
+    def start(
+        self,
+        send: Tensor,
+        send_counts: list[int],
+        recv_counts: list[int],
+        *,
+        kind: str = "message",
+        out: Tensor | None = None,
+    ) -> Transfer:
         """Launches one all-to-all of ``send``'s rows without waiting.
 
         Args:
@@ -142,6 +150,9 @@ class HaloTransport:
                 the bytes of an encoded message with per-peer byte counts).
             send_counts, recv_counts: Rows to / from every peer.
             kind: ``"message"``, ``"onetime"`` or ``"control"`` (module docstring).
+            out: Contiguous ``[sum(recv_counts), *]`` tensor of ``send``'s dtype to receive
+                into (e.g. the halo rows of the buffer a conv reads: no copy afterwards);
+                a new one when ``None``.
 
         Returns:
             The :class:`Transfer`; its :meth:`~Transfer.wait` gives ``[sum(recv_counts), *]``
@@ -152,7 +163,13 @@ class HaloTransport:
         transfer = self.distributed and not skip
         stats.exchanges += 1
         shape = (sum(recv_counts),) + tuple(send.shape[1:])
-        out = send.new_zeros(shape) if skip else send.new_empty(shape)
+        if out is None:
+            out = send.new_zeros(shape) if skip else send.new_empty(shape)
+        else:
+            if tuple(out.shape) != shape or out.dtype != send.dtype or not out.is_contiguous():
+                raise ValueError(f"out must be a contiguous {send.dtype} tensor of shape {shape}")
+            if skip:
+                out.zero_()
         send = send.contiguous()
         work = None
         if transfer:

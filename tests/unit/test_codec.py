@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from lightning_fullgraph.comm.codec import (
-    _counts_by_bits,
+    LayoutCache,
     _decode_grouped,
     _encode_grouped,
     decode_rows,
     encode_rows,
+    message_layout,
     message_nbytes,
 )
 from lightning_fullgraph.comm.quantize import quantize, row_nbytes
@@ -38,14 +39,13 @@ def test_uniform_fast_path_equals_the_grouped_layout(b: int) -> None:
     rows = _rows()
     bits = torch.full((rows.size(0),), b, dtype=torch.uint8)
     fast = encode_rows(rows, bits, COUNTS, generator=torch.Generator().manual_seed(3))
-    slow = _encode_grouped(
-        rows, bits, COUNTS, _counts_by_bits(bits, COUNTS), torch.Generator().manual_seed(3)
-    )
+    layout = message_layout(bits, COUNTS, rows.size(1))
+    slow = _encode_grouped(rows, COUNTS, layout, torch.Generator().manual_seed(3))
     assert torch.equal(fast.buffer, slow.buffer)
     assert fast.nbytes == slow.nbytes == [c * row_nbytes(rows.size(1), b) for c in COUNTS]
     assert torch.equal(fast.rng, slow.rng)
     out_fast = decode_rows(fast.buffer, bits, COUNTS, rows.size(1))
-    out_slow = _decode_grouped(slow.buffer, bits, COUNTS, rows.size(1), _counts_by_bits(bits, COUNTS))
+    out_slow = _decode_grouped(slow.buffer, COUNTS, rows.size(1), layout, None)
     assert torch.equal(out_fast, out_slow)
     # and it is a quantization of the rows: every value within one step (of the stored grid)
     step = _grid_range(rows) / (2**b - 1)
@@ -107,3 +107,42 @@ def test_round_trip_is_exact_at_the_grid_points(mixed: bool) -> None:
     rows[10] = -7.25  # constant bfloat16
     enc = encode_rows(rows, bits, COUNTS, generator=g)
     assert torch.equal(decode_rows(enc.buffer, bits, COUNTS, d), rows)
+
+
+def test_the_layout_cache_reuses_a_layout_until_the_bit_widths_change() -> None:
+    """One layout per bit-width tensor: asking again for the same tensor returns the same
+    object (no recount); changing the tensor in place, or another tensor with other widths,
+    gives the layout of the new widths, never a stale one.
+
+    Negative control (run): keying the cache on ``id(bits)`` alone returns the 2-bit layout
+    after ``bits.fill_(8)`` and the byte counts assertion fails."""
+    cache = LayoutCache()
+    bits = torch.full((sum(COUNTS),), 2, dtype=torch.uint8)
+    first = cache.get(bits, COUNTS, 16)
+    assert cache.get(bits, COUNTS, 16) is first and len(cache) == 1
+    assert first.nbytes == [c * row_nbytes(16, 2) for c in COUNTS]
+    bits.fill_(8)
+    changed = cache.get(bits, COUNTS, 16)
+    assert changed.nbytes == [c * row_nbytes(16, 8) for c in COUNTS]
+    assert changed.payload_bits == 8 * 16 * sum(COUNTS)
+    mixed = torch.tensor([1, 8] * (sum(COUNTS) // 2), dtype=torch.uint8)
+    assert cache.get(mixed, COUNTS, 16).nbytes == message_nbytes(mixed, COUNTS, 16)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_decoding_into_a_given_buffer_writes_the_rows_there(mixed: bool) -> None:
+    """``decode_rows(out=...)`` writes the very rows a fresh decode returns into the given
+    rows (the halo rows of the buffer a conv reads) and returns that tensor.
+
+    Negative control (run): ignoring ``out`` (decoding into a new tensor) leaves the buffer's
+    rows as they were and the identity assertion fails."""
+    rows = _rows()
+    n = rows.size(0)
+    bits = torch.tensor([1, 2, 4, 8] * n, dtype=torch.uint8)[:n] if mixed else torch.full((n,), 4, dtype=torch.uint8)
+    enc = encode_rows(rows, bits, COUNTS, generator=torch.Generator().manual_seed(5))
+    fresh = decode_rows(enc.buffer, bits, COUNTS, rows.size(1))
+    buffer = torch.full((n + 3, rows.size(1)), -7.0)
+    got = decode_rows(enc.buffer, bits, COUNTS, rows.size(1), out=buffer[3:])
+    assert got.data_ptr() == buffer[3:].data_ptr()
+    assert torch.equal(buffer[3:], fresh)
+    assert bool((buffer[:3] == -7.0).all())

@@ -55,6 +55,35 @@ def test_kinds_are_counted_apart_and_the_bound_skips_only_messages() -> None:
     assert "forward" in t.stats.values and t.stats.values["forward"] == 12
 
 
+@pytest.mark.parametrize("encoded", [False, True])
+def test_a_message_is_received_into_the_rows_it_is_given(encoded: bool) -> None:
+    """With ``out`` (the halo rows of the buffer a conv reads), the transport receives, or the
+    codec decodes, straight into those rows: ``wait()`` returns them, nothing is copied after.
+    Under the compute-only bound the given rows come back zeroed, as a fresh buffer would.
+
+    Negative control (run): a transport that ignores ``out`` returns a new tensor and the
+    ``data_ptr`` assertion fails."""
+    t = HaloTransport(_plan())
+    rows = torch.randn(4, 16)
+    buffer = torch.full((9, 16), -1.0)
+    halo = buffer[5:]
+    if encoded:
+        bits = torch.full((4,), 8, dtype=torch.uint8)
+        got = send_encoded(t, rows, [4], [4], (bits, bits), layer=0, out=halo)[0].wait()
+    else:
+        got = send_rows(t, rows, [4], [4], layer=0, out=halo).wait()
+    assert got.data_ptr() == halo.data_ptr() and got.shape == halo.shape
+    assert bool((buffer[:5] == -1.0).all())
+    t.skip_transfers, t.distributed = True, True  # the bound decides before any collective
+    try:
+        send_rows(t, rows, [4], [4], layer=0, out=halo).wait()
+    finally:
+        t.distributed = False
+    assert not halo.any()
+    with pytest.raises(ValueError, match="contiguous"):
+        t.start(rows, [4], [4], out=torch.empty(4, 8))
+
+
 def test_the_datamodule_does_not_import_the_strategy() -> None:
     """No import cycle (the strategy imports the datamodule, not the reverse): the datamodule
     recognises the strategy by its ``trains_on_partitions`` marker.
