@@ -2,16 +2,19 @@
 
 Prints, for 1/2/4/8 bits, GB/s of float32 *input* (``rows * cols * 4`` bytes per call) for
 
-* ``q+pack``   -- ``quantize`` (row min/max, stochastic rounding, packing, metadata),
+* ``q+pack``   -- ``quantize`` (row min/max, stochastic rounding, packing, metadata), by
+  default the one-pass compiled CPU kernel (``lightning_fullgraph.comm.fused_kernels``),
 * ``unpack+dq``-- ``dequantize`` into a fresh tensor, and ``dq(out=)`` into a reused one,
+* ``q torch`` / ``dq torch`` -- the same calls on the torch path (``backend="torch"``: the same
+  bytes; what runs without numba and on other devices),
 * ``naive q`` / ``naive dq`` -- a straightforward torch implementation (float ``torch.rand``
   dither, full-size temporaries, shift-and-or packing over strided views),
 
 beside ``x.clone()`` (allocate + copy) and ``copy_`` into an existing tensor (one read and one
 write of the same bytes: the physical reference; ``q/copy`` and ``dq/copy`` give ``q+pack`` and
-``dq(out=)`` as fractions of it, from the same run), ``rng`` (the share of ``q+pack`` spent
-drawing the dither: 16 random bits per value from the generator, into the quantizer's int32
-dither buffer, as ``quantize`` does), and the wire size:
+``dq(out=)`` as fractions of it, from the same run), the speed of drawing 16 random bits per
+value from the generator (the dither before the counter-based one: on its own slower than the
+whole compiled quantizer), and the wire size:
 bytes per row (16-bit row metadata + packed levels) and how many times fewer than float32.
 Every figure is the median of ``--repeats`` calls after a warm-up call.  ``--timer cpu``
 measures the thread's CPU time instead of wall-clock time, which is steadier when other
@@ -122,8 +125,9 @@ def main() -> None:
         rand.random_(-(1 << 63), None, generator=gen)
         dither.copy_(rand.view(torch.int16)[: x.numel()])
 
-    t_rng = measure(draw, args.repeats, timer)
-    header = f"{'bits':>4} {'q+pack':>8} {'unpack+dq':>10} {'dq(out=)':>9} {'q/copy':>7} {'dq/copy':>8} {'rng':>5}"
+    print(f"generator draw  {rate(draw):7.2f} GB/s   (16 random bits per value: the former dither alone)")
+    header = (f"{'bits':>4} {'q+pack':>8} {'unpack+dq':>10} {'dq(out=)':>9} {'q/copy':>7} {'dq/copy':>8}"
+              f" {'q torch':>8} {'dq torch':>9}")
     if not args.no_naive:
         header += f" {'naive q':>8} {'naive dq':>9} {'speedup q/dq':>13}"
     header += f" {'bytes/row':>9} {'vs fp32':>8}"
@@ -133,8 +137,10 @@ def main() -> None:
         r_q = rate(lambda bits=bits: quantize(x, bits, gen))
         r_dq = rate(lambda q=q: dequantize(q))
         r_dqo = rate(lambda q=q: dequantize(q, out=scratch))
+        t_q = rate(lambda bits=bits: quantize(x, bits, gen, backend="torch"))
+        t_dqo = rate(lambda q=q: dequantize(q, out=scratch, backend="torch"))
         line = (f"{bits:>4} {r_q:8.2f} {r_dq:10.2f} {r_dqo:9.2f} {r_q / copy_rate:7.2f} {r_dqo / copy_rate:8.2f}"
-                f" {t_rng * r_q / gb:5.2f}")
+                f" {t_q:8.2f} {t_dqo:9.2f}")
         if not args.no_naive:
             packed, mn, rng = naive_quantize(x, bits, gen)
             n_q = rate(lambda bits=bits: naive_quantize(x, bits, gen))

@@ -69,12 +69,12 @@ Rows whose grid leaves ``+-(2^128 - 2^119)`` (about +-3.396e38: rows with a valu
 beyond ~3.39e38, the top 0.2% of float32's magnitudes) are rejected (``ValueError``), as are
 NaN and inf; inside that bound the dequantized values never overflow float32.
 
-Exact unbiasedness in fixed point
----------------------------------
+Exact unbiasedness in fixed point, with a counter-based dither
+---------------------------------------------------------------
 Drawing a float ``u`` per element costs more than the whole rest of the quantizer, so the
 dither is an integer.  ``t`` is scaled to fixed point with ``K = 16`` fractional bits,
 ``T = floor(t 2^K)`` (an ``int32``, ``0 <= T <= L 2^K``), and with ``r`` uniform on
-``{0, .., 2^K - 1}`` (16 random bits, four per 64-bit draw of the generator)::
+``{0, .., 2^K - 1}``::
 
     q = (T + r) >> K
 
@@ -89,6 +89,17 @@ grid contains the row) gives ``q <= L``: there is no ``u -> 1`` overflow into th
 value.  The exact variance of the fixed-point rounding is ``f (1 - f) step^2`` with
 ``f = frac(T / 2^K)``, which differs from :func:`row_variance` by less than ``2^-16 step^2``
 per element.
+
+The dither is **counter-based** (:func:`dither_hash`): one 32-bit key per call is drawn from
+the generator, and element ``j`` of row ``i`` gets ``r = H((i D + j) mod 2^32 XOR key) >> 16``,
+with ``H`` the two multiply rounds of ``lowbias32`` (``h ^= h >> 16; h *= 0x7FEB352D;
+h ^= h >> 15; h *= 0x846CA68B``, all mod ``2^32``).  Every step of ``H`` is a bijection of
+32-bit words, so for a uniform key ``H(index XOR key)`` is uniform on 32 bits and ``r`` exactly
+uniform on 16: unbiasedness stays exact, element by element.  A call draws one number from the
+generator (so its state, checkpointed by the policies, still fixes every byte), and the dither
+is a pure function of (key, element): the torch path below and the one-pass CPU kernel
+(:mod:`~lightning_fullgraph.comm.fused_kernels`) compute the same bytes.  Messages of more than
+``2^32`` values (16 GiB of float32) reuse dithers after ``2^32`` elements.
 
 Wire format (one ``uint8`` buffer, one fixed-size record per row)
 ------------------------------------------------------------------
@@ -113,23 +124,25 @@ transport sends to different ranks are contiguous byte ranges (split sizes = row
 
 Speed
 -----
-Rows are processed in chunks of ~2^18 elements that stay in the CPU cache; every step is a
-vectorized in-place torch kernel on buffers allocated once per call (no Python loop over rows
-or elements, no per-chunk temporaries of the chunk's size); row min/max and the 16-bit grid
-are computed chunk by chunk so the input is read from memory once; packing/unpacking use
-word-level integer tricks (one multiply and one shift pack 8 one-bit levels).  ``quantize``
-rejects NaN/inf input with the per-row min/max it needs anyway.  Drawing the 16-bit dither
-(``random_`` on int64, four dithers per draw) is about half of the quantizer's time.  Large
-CPU outputs allocated here get ``MADV_HUGEPAGE`` advice (``hugepages=False`` turns it off):
-first-touch page faults of a fresh 100 MB tensor otherwise cost more than the dequantization
-itself.  Measured on one thread of the 2-core development machine (100k x 256 float32,
-``benchmarks/quantizer_speed.py``): quantize+pack ~1.0-1.7 GB/s of float32 input,
-unpack+dequantize ~2.4-5 GB/s (3.3-6 GB/s into a reused ``out``), against ~0.1-0.2 /
-~0.3-0.5 GB/s for a naive torch implementation.  The 16-bit grid (bit-pattern rounding and
-TwoSum on per-chunk row vectors, with 0-d tensor operands to halve their dispatch cost) costs
-quantize 1-4% and dequantize ~1% against float32 metadata (interleaved runs, same machine).
-The same code runs unchanged on CUDA (in larger chunks).  Packing multiplies integers that wrap around (two's complement), as every PyTorch
-backend does; the layout tests check every byte pattern.
+On CPU tensors both directions run, by default, in one pass per row compiled by numba
+(:mod:`~lightning_fullgraph.comm.fused_kernels`; ``backend="torch"`` forces the torch path,
+which also serves other devices and the rows the kernels leave to it).  Measured on one thread
+of the 2-core development machine (100k x 256 float32, ``benchmarks/quantizer_speed.py``, CPU
+time): quantize+pack about 3.9-4.1 GB/s of float32 input with the kernel against 1.1-1.4 GB/s
+for the torch path, about 60 % of a plain copy of the same bytes.  Without numba (not
+installed, or an unsupported platform) the torch path runs, with one notice.
+
+The torch path processes rows in chunks of ~2^18 elements that stay in the CPU cache; every
+step is a vectorized in-place torch kernel on buffers allocated once per call (no Python loop
+over rows or elements, no per-chunk temporaries of the chunk's size); row min/max and the
+16-bit grid are computed chunk by chunk so the input is read from memory once; packing/
+unpacking use word-level integer tricks (one multiply and one shift pack 8 one-bit levels).
+``quantize`` rejects NaN/inf input with the per-row min/max it needs anyway.  Large CPU outputs
+allocated here get ``MADV_HUGEPAGE`` advice (``hugepages=False`` turns it off): first-touch
+page faults of a fresh 100 MB tensor otherwise cost more than the dequantization itself.  The
+same code runs unchanged on CUDA (in larger chunks).  Packing and the dither multiply integers
+that wrap around (two's complement), as every PyTorch backend does; the layout tests check
+every byte pattern.
 
 Shapes: input ``[N, D]`` (two dimensions only; ``N`` or ``D`` may be 0); any floating dtype
 (computed in float32, so values beyond float32 range are rejected as non-finite).  Output of
@@ -139,20 +152,26 @@ Shapes: input ``[N, D]`` (two dimensions only; ``N`` or ``D`` may be 0); any flo
 from __future__ import annotations
 
 import functools
+import importlib
 import operator
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
+import numpy as np
 import torch
 from torch import Tensor
 
 __all__ = [
+    "BACKENDS",
     "DITHER_BITS",
     "META_NBYTES",
     "SUPPORTED_BITS",
     "QuantizedRows",
     "adaqp_variance_model",
     "dequantize",
+    "dither_hash",
     "from_bytes",
     "packed_row_nbytes",
     "payload_nbytes",
@@ -167,6 +186,9 @@ SUPPORTED_BITS: tuple[int, ...] = (1, 2, 4, 8)
 META_NBYTES: int = 4
 #: Fractional bits of the fixed-point dither (see the module docstring).
 DITHER_BITS: int = 16
+#: Implementations of :func:`quantize` / :func:`dequantize`: ``"auto"`` (the compiled CPU
+#: kernel where it applies, else torch), ``"torch"``, ``"numba"`` (the kernel or an error).
+BACKENDS: tuple[str, ...] = ("auto", "torch", "numba")
 
 _ONE = 1 << DITHER_BITS
 # Elements per chunk: ~1 MiB of float32 work buffer on CPU keeps the pipeline in L2/L3 while
@@ -496,15 +518,88 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, hug
     return t
 
 
+# -- the counter-based dither -------------------------------------------------------------
+_H1 = torch.tensor(0x7FEB352D, dtype=torch.int32)
+_H2 = torch.tensor(0x846CA68B - (1 << 32), dtype=torch.int32)  # 0x846CA68B as int32
+_I15 = torch.tensor(15, dtype=torch.int32)
+_I16 = torch.tensor(16, dtype=torch.int32)
+_LOW17 = torch.tensor(0x1FFFF, dtype=torch.int32)
+
+
+def _hash_(h: Tensor, key: Tensor, tmp: Tensor) -> Tensor:
+    """In place: int32 element indices ``h`` -> their 16-bit dithers (``tmp``: scratch of the
+    same shape).  Logical right shifts of int32 words are arithmetic shifts masked."""
+    h.bitwise_xor_(key)
+    torch.bitwise_right_shift(h, _I16, out=tmp).bitwise_and_(_LOW16)
+    h.bitwise_xor_(tmp)
+    h.mul_(_H1)
+    torch.bitwise_right_shift(h, _I15, out=tmp).bitwise_and_(_LOW17)
+    h.bitwise_xor_(tmp)
+    h.mul_(_H2)
+    return h.bitwise_right_shift_(_I16).bitwise_and_(_LOW16)
+
+
+def _as_int32(value: int) -> int:
+    """``value mod 2^32`` as a signed 32-bit integer."""
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def dither_hash(index: Tensor, key: int) -> Tensor:
+    """The 16-bit dither of elements ``index`` under ``key`` (module docstring).
+
+    Args:
+        index: Integer tensor of element indices ``i * D + j`` (taken mod ``2^32``).
+        key: The call's 32-bit key.
+
+    Returns:
+        ``int32`` tensor of ``index``'s shape, values in ``[0, 2^16)``; for a uniform random
+        ``key`` each value is exactly uniform there.
+    """
+    h = (index.to(torch.int64) & 0xFFFFFFFF).sub_(1 << 32).to(torch.int32)  # mod 2^32, as int32
+    key_t = torch.tensor(_as_int32(key), dtype=torch.int32, device=index.device)
+    return _hash_(h, key_t, torch.empty_like(h))
+
+
+def _draw_key(generator: torch.Generator | None, device: torch.device) -> int:
+    """One uniform 32-bit key per call, from ``generator`` (or the device's default one)."""
+    where = generator.device if generator is not None else device
+    return int(torch.empty((), dtype=torch.int64, device=where).random_(0, 1 << 32, generator=generator))
+
+
 @functools.cache
-def _uint16_copy_ok(device_type: str) -> bool:
-    """Whether ``uint16 -> int32`` copies work on this device type (bare-bones dtype)."""
+def _fused_kernels() -> ModuleType | None:
+    """The compiled CPU kernels (:mod:`~lightning_fullgraph.comm.fused_kernels`), or ``None``
+    with one notice where numba cannot be imported."""
     try:
-        src = torch.tensor([-1, 7], dtype=torch.int16, device=device_type).view(torch.uint16)
-        dst = torch.empty(2, dtype=torch.int32, device=device_type).copy_(src)
-        return dst.tolist() == [65535, 7]
-    except Exception:  # pragma: no cover - depends on the torch build
-        return False
+        fused_kernels = importlib.import_module("lightning_fullgraph.comm.fused_kernels")
+    except ImportError as err:
+        warnings.warn(
+            f"lightning_fullgraph: numba is not available ({err}); the halo codec runs its torch "
+            "path (the same bytes, about 3x slower on CPU). `pip install numba` to speed it up.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    return fused_kernels
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def _kernels_for(backend: str, device: torch.device) -> ModuleType | None:
+    """The compiled kernels when ``backend`` and ``device`` call for them, else ``None``."""
+    _check_backend(backend)
+    if backend == "torch" or device.type != "cpu":
+        if backend == "numba":
+            raise ValueError(f"backend='numba' runs on CPU tensors only, got {device}")
+        return None
+    kernels = _fused_kernels()
+    if kernels is None and backend == "numba":
+        raise ImportError("backend='numba' needs numba: pip install numba")
+    return kernels
 
 
 def quantize(
@@ -514,6 +609,7 @@ def quantize(
     *,
     out: Tensor | None = None,
     hugepages: bool = True,
+    backend: str = "auto",
 ) -> QuantizedRows:
     """Quantizes every row of ``x`` to ``bits`` bits with unbiased stochastic rounding.
 
@@ -521,13 +617,14 @@ def quantize(
         x: ``[N, D]`` floating tensor (CPU or any device); ``N`` and ``D`` may be 0.  Not
             differentiated (it is detached).
         bits: 1, 2, 4 or 8.
-        generator: Source of the dither, on ``x``'s device; the same seed gives the same bytes
-            (for the same shape and device).  ``None``: the device's default generator.
+        generator: Source of the call's dither key (one draw per call); the same state gives
+            the same bytes on every device and backend.  ``None``: the default generator.
         out: Optional ``[N, row_nbytes(D, bits)]`` uint8 tensor on ``x``'s device (e.g. a slice
             of a larger send buffer) to write the records into; its rows may be strided, its
             bytes within a row must be contiguous.
         hugepages: Give a large (>= 8 MiB) CPU record buffer allocated here ``MADV_HUGEPAGE``
             advice (speed only: the bytes are the same either way).
+        backend: One of :data:`BACKENDS` (speed only: the bytes are the same).
 
     Returns:
         :class:`QuantizedRows` with ``payload_nbytes(N, D, bits)`` bytes of records and the
@@ -541,6 +638,7 @@ def quantize(
     x = _as_2d_float(x)
     n, d = x.shape
     dev = x.device
+    kernels = _kernels_for(backend, dev)
     levels = (1 << bits) - 1
     nb = packed_row_nbytes(d, bits)
     if out is None:
@@ -564,6 +662,15 @@ def quantize(
     if d == 0:
         buf.zero_()
         return result
+    key = _draw_key(generator, dev)
+    if kernels is not None:
+        x = x.contiguous()
+        done = kernels.quantize_rows(x.numpy(), buf.numpy(), mn.numpy(), rng.numpy(), np.uint32(key), bits, 0)
+        if done < 0:
+            _write_constant_rows(buf, mn, rng)
+            return result
+        # a row the kernel leaves to torch (non-finite, out of range, subnormal scale): the
+        # torch path redoes the call, with the same key, and raises or gives the same bytes
 
     lim = float(levels * _ONE)
     lim_t = torch.tensor(lim, dtype=torch.float32)
@@ -574,10 +681,13 @@ def quantize(
     work = torch.empty((rows, d), dtype=torch.float32, device=dev)
     fixed = work.view(torch.int32)  # the int32 fixed point overwrites the float work in place
     work64: Tensor | None = None
-    rand = torch.empty(-(-rows * d // 4), dtype=torch.int64, device=dev)
+    key_t = torch.tensor(_as_int32(key), dtype=torch.int32, device=dev)
+    # element index of (row, column) within a chunk; the chunk's first element is added per chunk
+    offsets = torch.arange(rows, dtype=torch.int32, device=dev)[:, None] * d
+    offsets = offsets + torch.arange(d, dtype=torch.int32, device=dev)[None, :]
     dither = torch.empty((rows, d), dtype=torch.int32, device=dev)
+    scratch = torch.empty((rows, d), dtype=torch.int32, device=dev)
     packed = buf[:, META_NBYTES:]
-    u16 = _uint16_copy_ok(dev.type)
     if bits < 8:
         lv = torch.zeros((rows, nb * (8 // bits)), dtype=torch.uint8, device=dev)  # padding stays 0
         words = lv.view(_WORD_DTYPE[bits])  # [rows, nb]: one word per packed byte
@@ -590,6 +700,8 @@ def quantize(
         # Row statistics and grid per chunk, while the chunk is in cache (x is read once).
         torch.amin(xc, dim=1, out=mnc)
         torch.amax(xc, dim=1, out=mxc)
+        mnc.add_(0.0)  # -0.0 -> +0.0: a row holding both zeros gets one record (fused_kernels)
+        mxc.add_(0.0)
         loc, rc = _grid(mnc, mxc, lo[s:e], rng16[s:e])
         # Fixed-point scale: T = (x - lo) * sc in units of 2^-16 level.  One reduction checks
         # the grid bounds (NaN/inf rows give NaN/inf) and that the float32 scale is finite
@@ -619,16 +731,9 @@ def quantize(
         w.clamp_max_(lim)  # absorbs float error: T <= L 2^16 so q <= L
         fx = fixed[:r]
         fx.copy_(w)  # truncation = floor, w >= 0
-        nrand = -(-r * d // 4)
-        rv = rand[:nrand]
-        rv.random_(-(1 << 63), None, generator=generator)  # 64 uniform bits -> four 16-bit dithers
         dv = dither[:r]
-        if u16:
-            dv.copy_(rv.view(torch.uint16)[: r * d].view(r, d))  # uniform on [0, 2^16)
-        else:
-            dv.copy_(rv.view(torch.int16)[: r * d].view(r, d))
-            dv.bitwise_and_(0xFFFF)  # the same value as the uint16 view
-        fx.add_(dv)
+        torch.add(offsets[:r], _as_int32(s * d), out=dv)  # (row * D + column) mod 2^32
+        fx.add_(_hash_(dv, key_t, scratch[:r]))  # uniform on [0, 2^16)
         fx.bitwise_right_shift_(DITHER_BITS)  # q in [0, L]
         if bits == 8:
             packed[s:e].copy_(fx)
@@ -643,20 +748,26 @@ def quantize(
             tv.bitwise_right_shift_(_PACK_SHIFT[bits])
         packed[s:e].copy_(tv)  # the low byte of every word
     torch.sub(mx, mn, out=rng)
-    _write_metadata(buf, lo, rng16.view(torch.int32), mn, rng)
+    _write_metadata(buf, lo, rng16.view(torch.int32))
+    _write_constant_rows(buf, mn, rng)
     return result
 
 
-def _write_metadata(buf: Tensor, lo: Tensor, rbits: Tensor, mn: Tensor, rng: Tensor) -> None:
+def _write_metadata(buf: Tensor, lo: Tensor, rbits: Tensor) -> None:
     """Writes the 16-bit fields of every record (``rbits``: float32 patterns of the ranges,
-    overwritten), then the exact form of constant rows whose value is not a bfloat16."""
+    overwritten)."""
     n = buf.shape[0]
     # One int32 word per row, little-endian [lo16 | R16]: the high half of lo's pattern and
     # bits 30..15 of R's (R >= 0, its low 15 bits are 0).
     word = rbits.bitwise_right_shift_(15).bitwise_left_shift_(16)
     word.bitwise_or_(torch.bitwise_right_shift(lo.view(torch.int32), 16).bitwise_and_(0xFFFF))
     buf[:, :META_NBYTES].copy_(word.view(torch.uint8).view(n, 4))
-    if float(rng.amin()) > 0:  # (a min reduction is much cheaper than a bool any())
+
+
+def _write_constant_rows(buf: Tensor, mn: Tensor, rng: Tensor) -> None:
+    """Writes the exact form of the constant rows whose value is not a bfloat16 (over their
+    grid records)."""
+    if buf.shape[0] == 0 or float(rng.amin()) > 0:  # (a min reduction is much cheaper than a bool any())
         return
     exact = (rng == 0).logical_and_(mn.view(torch.int32).bitwise_and(0xFFFF) != 0)
     if bool(exact.any()):
@@ -688,7 +799,9 @@ def _unpack_into(words: Tensor, tmp: Tensor, bits: int) -> None:
         words.bitwise_or_(tmp)
 
 
-def dequantize(q: QuantizedRows, out: Tensor | None = None, *, hugepages: bool = True) -> Tensor:
+def dequantize(
+    q: QuantizedRows, out: Tensor | None = None, *, hugepages: bool = True, backend: str = "auto"
+) -> Tensor:
     """Reconstructs ``x^ = lo + q * R / (2^b - 1)`` row by row from the stored grid.
 
     Args:
@@ -696,6 +809,7 @@ def dequantize(q: QuantizedRows, out: Tensor | None = None, *, hugepages: bool =
         out: Optional ``[N, D]`` float32 tensor to write into (saves the allocation).
         hugepages: Give a large (>= 8 MiB) CPU output allocated here ``MADV_HUGEPAGE``
             advice (speed only).
+        backend: One of :data:`BACKENDS` (speed only: the rows are the same).
 
     Returns:
         ``[N, D]`` float32 on ``q.buffer``'s device (``out`` if given).  Constant rows come back
@@ -710,6 +824,11 @@ def dequantize(q: QuantizedRows, out: Tensor | None = None, *, hugepages: bool =
         raise ValueError(f"out must be float32 of shape {(n, d)} on {dev}")
     if n == 0 or d == 0:
         return out
+    kernels = _kernels_for(backend, dev)
+    if kernels is not None and out.stride(1) == 1 and q.buffer.stride(1) == 1:
+        if kernels.dequantize_rows(q.buffer.numpy(), bits, d, out.numpy()) < 0:
+            return out
+        # an exact constant row or a subnormal step: the torch path decodes the whole call
     lo, rng16 = _decode_grid(q.buffer)
     step = rng16 / float((1 << bits) - 1)
     if bool(((step < _TINY32) & (step > 0)).any()):

@@ -447,22 +447,23 @@ def test_locality_benchmark_compares_the_orders_on_the_same_part(tmp_path) -> No
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_quantizer_speed_reports_each_direction_against_the_copy_and_the_dither_share() -> None:
+def test_quantizer_speed_reports_each_direction_against_the_copy_and_the_torch_path() -> None:
     """``quantizer_speed.py`` prints, for every bit-width, the codec's GB/s, both directions as
-    fractions of the same run's copy, and the dither's share of quantizing (between 0 and 1),
-    with the wire size of a row.
-    Negative control (run): dropping the ``rng`` column leaves 7 fields per row and fails."""
+    fractions of the same run's copy, the torch path's GB/s beside them, and the wire size of
+    a row; and the generator's speed (the former dither).
+    Negative control (run): dropping the torch columns leaves 8 fields per row and fails."""
     proc = subprocess.run(
         [sys.executable, str(RUN.parent / "quantizer_speed.py"), "--rows", "2000", "--cols", "64",
          "--repeats", "1", "--no-naive", "--timer", "cpu", "--bits", "1", "8"],
         capture_output=True, text=True, timeout=110,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "copy_ (no alloc)" in proc.stdout
+    assert "copy_ (no alloc)" in proc.stdout and "generator draw" in proc.stdout
     header = next(line for line in proc.stdout.splitlines() if line.split()[:1] == ["bits"])
-    assert header.split()[:8] == ["bits", "q+pack", "unpack+dq", "dq(out=)", "q/copy", "dq/copy", "rng", "bytes/row"]
+    assert header.split() == ["bits", "q+pack", "unpack+dq", "dq(out=)", "q/copy", "dq/copy", "q", "torch",
+                              "dq", "torch", "bytes/row", "vs", "fp32"]
     rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["1"], ["8"])]
     assert [r[0] for r in rows] == ["1", "8"]
     for r in rows:
-        assert len(r) == 9 and 0.0 < float(r[6]) < 1.0
-        assert int(r[7]) == (4 + 64 * int(r[0]) // 8)
+        assert len(r) == 10 and all(float(v) > 0 for v in r[1:8])
+        assert int(r[8]) == (4 + 64 * int(r[0]) // 8)

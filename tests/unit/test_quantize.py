@@ -1,5 +1,9 @@
 """Tests of ``lightning_fullgraph.comm.quantize``: unbiasedness, variance, wire format, edge cases.
 
+Every test runs twice: on the default path (on CPU the compiled one-pass kernels of
+``comm/fused_kernels.py``) and on the torch path alone (``[torch]``), which also serves other
+devices and the rows the kernels leave to it.
+
 Statistical tests use fixed generator seeds (so they are deterministic) *and* tolerances derived
 from the exact distribution (CLT with a discreteness allowance), so they are not marginal.  The
 exact distribution is that of the *stored* 16-bit grid (``grid_lo``, ``grid_range``), which the
@@ -34,6 +38,15 @@ BITS = (1, 2, 4, 8)
 EPS32 = torch.finfo(torch.float32).eps
 TINY_ABS = 2.0**-149  # one float32 subnormal step
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(autouse=True, params=["auto", "torch"])
+def codec_path(request, monkeypatch) -> str:
+    """The quantizer's implementation under test: ``auto`` (the compiled kernels on CPU) or
+    ``torch`` (the kernels switched off, as without numba)."""
+    if request.param == "torch":
+        monkeypatch.setattr(Q, "_fused_kernels", lambda: None)
+    return request.param
 
 
 def _gen(seed: int, device: str = "cpu") -> torch.Generator:
@@ -583,13 +596,6 @@ def test_cuda_matches_cpu_semantics(bits):
     # Bytes written on the GPU decode on the CPU (same layout).
     qd = from_bytes(a.cpu(), *x.shape, bits)
     assert torch.equal(dequantize(qd), dequantize(from_bytes(a, *x.shape, bits)).cpu())
-
-
-def test_int16_dither_fallback_gives_same_bytes(monkeypatch):
-    x = torch.randn(30, 17, generator=_gen(0))
-    ref = quantize(x, 4, _gen(1)).to_bytes()
-    monkeypatch.setattr(Q, "_uint16_copy_ok", lambda device_type: False)
-    assert torch.equal(quantize(x, 4, _gen(1)).to_bytes(), ref)
 
 
 def test_quantize_into_send_buffer_and_grad_input():
