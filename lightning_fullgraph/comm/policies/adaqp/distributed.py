@@ -168,10 +168,11 @@ def profile_links(
        probed at :func:`~.links.probe_sizes` ``(lo, hi)`` of its range (a link that carries
        nothing at the union range of all links, so every link gets a cost);
     2. rounds ``r = 1..W-1``: every rank sends to ``(rank + r) % W`` and receives from
-       ``(rank - r) % W`` at once (as the halo exchange does), one untimed warm-up message
-       at the largest size, then ``repeats`` passes over the sizes, each pass in its own
-       shuffled order (the same on every rank: a drift of the host's load spreads over all
-       sizes instead of biasing the slope); every message starts after a barrier and the
+       ``(rank - r) % W`` at once (as the halo exchange does); one untimed warm-up message
+       per round at the largest size, then ``repeats`` passes, each over every round and,
+       within a round, over every size in a shuffled order (the same on every rank: a drift
+       of the host's load spreads over all rounds and sizes instead of making one round's
+       links look slower or biasing a slope); every message starts after a barrier and the
        RECEIVER times it (barrier exit to the message's arrival), for the link
        ``sender -> receiver``;
     3. one ``all_gather_object`` of the samples; rank 0 runs :func:`~.links.resolve_links`
@@ -219,26 +220,37 @@ def profile_links(
         lo, hi = (lo, hi) if hi > 0 else union
         return probe_sizes(lo, hi, num_sizes, max_probe_bytes)
 
-    samples: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
+    rounds = []
     for r in range(1, world_size):
         to, frm = (rank + r) % world_size, (rank - r) % world_size
         out_sizes, in_sizes = sizes_of(rank, to), sizes_of(frm, rank)
-        send = torch.zeros(max(out_sizes), dtype=torch.uint8, device=device)
-        recv = torch.empty(max(in_sizes), dtype=torch.uint8, device=device)
-        steps = max(len(out_sizes), len(in_sizes))  # a shorter list (de-duplicated) cycles
-        peers = (_global_rank(group, to), _global_rank(group, frm))
+        rounds.append((
+            frm, out_sizes, in_sizes,
+            torch.zeros(max(out_sizes), dtype=torch.uint8, device=device),
+            torch.empty(max(in_sizes), dtype=torch.uint8, device=device),
+            (_global_rank(group, to), _global_rank(group, frm)),
+        ))
+    samples: dict[tuple[int, int], tuple[list[float], list[float]]] = {
+        (frm, rank): ([], []) for frm, *_ in rounds
+    }
 
-        # first an untimed warm-up at the largest sizes (connection, buffers), then the passes
-        order = [steps - 1] + [k for rep in range(repeats) for k in np.random.default_rng(rep).permutation(steps)]
-        xs: list[float] = []
-        ts: list[float] = []
-        for i, k in enumerate(order):
-            n_out, n_in = out_sizes[k % len(out_sizes)], in_sizes[k % len(in_sizes)]
-            took = _timed_exchange(send[:n_out], recv[:n_in], *peers, group, device)
-            if i > 0:
-                xs.append(float(n_in))
-                ts.append(took)
-        samples[(frm, rank)] = (xs, ts)
+    def step(i: int, k: int, timed: bool) -> None:
+        frm, out_sizes, in_sizes, send, recv, peers = rounds[i]
+        n_out, n_in = out_sizes[k % len(out_sizes)], in_sizes[k % len(in_sizes)]
+        took = _timed_exchange(send[:n_out], recv[:n_in], *peers, group, device)
+        if timed:
+            samples[(frm, rank)][0].append(float(n_in))
+            samples[(frm, rank)][1].append(took)
+
+    num_steps = [max(len(out), len(inc)) for _, out, inc, *_ in rounds]  # a shorter list cycles
+    for i, n in enumerate(num_steps):  # untimed warm-up at the largest sizes: connection, buffers
+        step(i, n - 1, False)
+    # repeats outermost, rounds inside: a drift of the host's load spreads over every round
+    # and size instead of making one round's links look slower (the same order on every rank)
+    for rep in range(repeats):
+        for i, n in enumerate(num_steps):
+            for k in np.random.default_rng([rep, i]).permutation(n).tolist():
+                step(i, k, True)
 
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, samples, group=group)
