@@ -176,7 +176,7 @@ def test_two_profiles_of_the_same_links_give_the_same_mean_bits(tmp_path: Path, 
     link, no checks, no pooling) gave 6.54 / 6.88, 5.58 / 7.07 and 6.97 / 7.19 mean bits in
     three runs at width 256 (uniform 3.11): the uniform check fails every time, the 0.3
     check two times in three; one fixed size list (1 KiB .. 1 MiB) for every link fails
-    ``spans``."""
+    ``spans`` at width 8192 (messages up to 2 MB)."""
     out = tmp_path / "report.json"
     run_ranks(_two_profiles, 4, str(out), width)
     report = json.loads(out.read_text())

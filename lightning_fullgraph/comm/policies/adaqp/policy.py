@@ -227,6 +227,7 @@ class QuantizedPolicy(CompressionPolicy):
         self._sender_weights = {int(k): v.to(device) for k, v in state.get("sender_weights", {}).items()}
         if state.get("link_costs") is not None:
             self._costs = {tuple(k): LinkCost(*ab) for k, ab in state["link_costs"].items()}
+            self._profile_due = False
 
 
 class AdaQPPolicy(QuantizedPolicy):
