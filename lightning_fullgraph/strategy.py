@@ -120,7 +120,7 @@ class FullGraphStrategy(DDPStrategy):
         first_assign: Epoch of the first assignment (adaptive bits; default 5).
         lambda_: Weight of variance against time in the assignment objective, in [0, 1].
         group_size: Rows per group sharing one bit-width in the assignment.
-        link_costs: ``"measure"`` (adaptive bits: time sends on every link at setup) or
+        link_costs: ``"measure"`` (adaptive bits: time every link at the first assignment) or
             ``"uniform"`` (the same nominal 1 GB/s, 100 us link everywhere: reproducible
             assignments, e.g. for tests).
         seed: Seed of the stochastic rounding (rank ``r`` uses ``seed + r``).

@@ -9,6 +9,7 @@ it).  The real gloo run is in ``tests/distributed/test_adaptive.py``.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -20,12 +21,12 @@ import torch.distributed as dist
 from lightning_fullgraph.comm.policies.adaqp.distributed import (
     MessageStats,
     assign_message_bits,
-    measure_link_costs,
+    profile_links,
     sender_weights,
 )
+from lightning_fullgraph.comm.policies.adaqp.links import LinkCost
 from lightning_fullgraph.comm.policies.adaqp.milp import (
     AssignmentProblem,
-    LinkCost,
     assign_bits,
     group_aggregates,
     group_nodes,
@@ -179,36 +180,60 @@ def test_sender_weights_rejects_wrong_counts() -> None:
 # --------------------------------------------------------------------------- measure_link_costs
 
 
-def test_measure_link_costs_probes_on_the_given_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every probe tensor is created on the requested device.  "meta" stands in for CUDA (no
-    data, so only the device is checked).  Negative control: CPU-hardcoded probes record
-    ``cpu`` and fail."""
-    world_size, rank = 3, 0
-    seen: list[tuple[str, int, int]] = []
+def test_profile_links_probes_each_link_over_its_message_range_on_the_given_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every probe tensor is created on the requested device ("meta" stands in for CUDA: no
+    data, so only the device is checked), and each link is probed over ITS message range:
+    the sizes sent to peer ``p`` span ``[lo / 2, hi + lo / 2]`` of this rank's range to
+    ``p``, the sizes received from ``q`` that of ``q``'s range to this rank (the AdaQP
+    ``profile.py`` rule), each ``repeats`` times after one warm-up.
+
+    Negative controls (run): CPU-hardcoded probes record ``cpu`` and fail; one fixed size
+    list for every link (the former 1 KiB .. 1 MiB) fails the span checks."""
+    world_size, rank, num_sizes, repeats = 3, 0, 5, 2
+    ranges = {0: [(0, 0), (1000, 4000), (20000, 90000)], 1: [(500, 800), (0, 0), (7, 7)],
+              2: [(3000, 3000), (100, 200), (0, 0)]}
+    seen: list[tuple[str, str, int, int]] = []
 
     def batch_isend_irecv(ops: list[Any]) -> list[Any]:
-        seen.extend((op.tensor.device.type, op.peer, op.tensor.numel()) for op in ops)
+        seen.extend((op.kind, op.tensor.device.type, op.peer, op.tensor.numel()) for op in ops)
         return [SimpleNamespace(wait=lambda: None) for _ in ops]
 
     def all_gather_object(out: list[Any], obj: Any, group: Any = None) -> None:
         for r in range(world_size):
-            out[r] = obj if r == rank else {(r, (r + k) % world_size): (1e-9 * r, 1e-5) for k in (1, 2)}
+            if isinstance(obj, list):  # the message ranges
+                out[r] = obj if r == rank else ranges[r]
+            else:  # the samples: the other receivers' links, one clean line each
+                out[r] = obj if r == rank else {
+                    (q, r): ([1e3, 2e3, 4e3], [1e-6 * (1 + q), 2e-6 * (1 + q), 4e-6 * (1 + q)])
+                    for q in range(world_size) if q != r
+                }
 
     monkeypatch.setattr(dist, "barrier", lambda group=None: None)
     monkeypatch.setattr(
-        dist, "P2POp", lambda op, tensor, peer, group=None: SimpleNamespace(tensor=tensor, peer=peer)
+        dist, "P2POp",
+        lambda op, tensor, peer, group=None: SimpleNamespace(kind=op.__name__, tensor=tensor, peer=peer),
     )
     monkeypatch.setattr(dist, "batch_isend_irecv", batch_isend_irecv)
     monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
-    costs = measure_link_costs(None, rank, world_size, torch.device("meta"), sizes=(64, 1024), repeats=2)
-    # 2 rounds x (1 warm-up + 2 sizes x 2 repeats) exchanges of one send + one receive
-    assert len(seen) == 2 * (1 + 2 * 2) * 2
-    assert {device for device, _, _ in seen} == {"meta"}
-    assert {peer for _, peer, _ in seen} == {1, 2}
-    assert {n for _, _, n in seen} == {64, 1024}
-    assert set(costs) == {(s, p) for s in range(3) for p in range(3) if s != p}
-    assert costs[(2, 0)] == LinkCost(2e-9, 1e-5)
-    assert costs[(0, 1)].alpha >= 0 and costs[(0, 1)].beta >= 0
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda obj, src=0, group=None: None)
+    with warnings.catch_warnings():  # meta "messages" take no time: this rank's own fits are noise
+        warnings.simplefilter("ignore", UserWarning)
+        links, figures = profile_links(
+            None, rank, world_size, torch.device("meta"), ranges[0], num_sizes=num_sizes, repeats=repeats
+        )
+    # 2 rounds x (1 warm-up + 5 sizes x 2 repeats) exchanges of one send + one receive
+    assert len(seen) == 2 * (1 + num_sizes * repeats) * 2
+    assert {device for _, device, _, _ in seen} == {"meta"}
+    sent = {p: sorted({n for kind, _, q, n in seen if kind == "isend" and q == p}) for p in (1, 2)}
+    got = {q: sorted({n for kind, _, p, n in seen if kind == "irecv" and p == q}) for q in (1, 2)}
+    for peer, (lo, hi) in ((1, ranges[0][1]), (2, ranges[0][2])):
+        assert sent[peer][0] == lo // 2 and sent[peer][-1] == hi + lo // 2 and len(sent[peer]) == num_sizes
+    for sender, (lo, hi) in ((1, ranges[1][0]), (2, ranges[2][0])):
+        assert got[sender][0] == lo // 2 and got[sender][-1] == hi + lo // 2
+    assert figures["profile_messages"] == 2 * num_sizes * repeats
+    assert set(links.costs) == {(s, p) for s in range(3) for p in range(3) if s != p}
 
 
 # --------------------------------------------------------------------------- assign_message_bits

@@ -12,13 +12,12 @@ import pytest
 import torch
 
 import lightning_fullgraph.comm.policies.adaqp.milp as assign_mod
+from lightning_fullgraph.comm.policies.adaqp.links import LinkCost
 from lightning_fullgraph.comm.policies.adaqp.milp import (
     AssignmentProblem,
-    LinkCost,
     assign_bits,
     build_problem,
     expand_group_bits,
-    fit_alpha_beta,
     group_aggregates,
     group_nodes,
     variance_coefficients,
@@ -97,42 +96,6 @@ def _round_times_by_hand(problem: AssignmentProblem, bits: torch.Tensor) -> torc
         r = (p - s) % w
         out[r - 1] = max(float(out[r - 1]), cost.time(nbytes))
     return out
-
-
-# --------------------------------------------------------------------------- link cost
-
-
-def test_fit_alpha_beta_noiseless() -> None:
-    sizes = np.linspace(1e3, 5e7, 40)
-    t = 2.5e-9 * sizes + 7e-5
-    cost = fit_alpha_beta(sizes.tolist(), t.tolist())
-    assert cost.alpha == pytest.approx(2.5e-9, rel=1e-9)
-    assert cost.beta == pytest.approx(7e-5, rel=1e-6)
-    assert cost.time(1e6) == pytest.approx(2.5e-3 + 7e-5, rel=1e-9)
-    assert pickle.loads(pickle.dumps(cost)) == cost
-
-
-def test_fit_alpha_beta_noisy() -> None:
-    rng = np.random.default_rng(0)
-    sizes = rng.uniform(1e4, 1e8, 200)
-    t = 1e-9 * sizes + 2e-4
-    noisy = t * (1 + 0.02 * rng.standard_normal(t.size))
-    cost = fit_alpha_beta(sizes, noisy)
-    assert cost.alpha == pytest.approx(1e-9, rel=0.02)
-    assert abs(cost.beta - 2e-4) < 2e-3  # intercept is noisier than the slope
-    assert cost.alpha >= 0 and cost.beta >= 0
-
-
-def test_fit_alpha_beta_nonnegative() -> None:
-    sizes = np.linspace(1e5, 1e6, 20)
-    cost = fit_alpha_beta(sizes, 1e-9 * sizes - 5e-5)  # intercept < 0 -> beta pinned at 0
-    assert cost.beta == 0.0 and cost.alpha > 0
-    cost = fit_alpha_beta(sizes, 5e-3 - 1e-9 * sizes)  # decreasing times -> alpha pinned at 0
-    assert cost.alpha == 0.0 and cost.beta > 0
-    with pytest.raises(ValueError):
-        fit_alpha_beta([1e3, 1e3], [1e-3, 2e-3])
-    with pytest.raises(ValueError):
-        fit_alpha_beta([1e3, 2e3], [1e-3])
 
 
 # --------------------------------------------------------------------------- grouping

@@ -1,7 +1,7 @@
 r"""AdaQP's adaptive bit-widths, distributed: measure links, score rows, gather variances, solve.
 
-The pure parts (cost fit, grouping, the MILP) live in :mod:`~lightning_fullgraph.comm.policies.adaqp.milp`;
-this module runs them across the ``W`` ranks of a process group.  Nothing here knows the halo
+The pure parts live in :mod:`~lightning_fullgraph.comm.policies.adaqp.links` (the link cost
+fit) and :mod:`~lightning_fullgraph.comm.policies.adaqp.milp` (grouping, the MILP); this module runs them across the ``W`` ranks of a process group.  Nothing here knows the halo
 exchanger: small picklable tables travel by ``torch.distributed`` object collectives on
 ``group``, rows (scores, bit-widths) by a caller-provided
 :data:`~lightning_fullgraph.comm.policies.base.ControlFn`, an uncompressed
@@ -18,11 +18,14 @@ in peer-rank order.  A layer ``l`` has two message directions, keyed ``(l, "forw
   (send counts ``plan.recv_counts``) and receives ``S`` rows (``plan.send_counts``), which it
   scatter-adds with coefficient 1.
 
-1. :func:`measure_link_costs` (once, at setup): in round :math:`r = 1..W-1` every rank ``s``
-   sends to :math:`(s + r) \bmod W` and receives from :math:`(s - r) \bmod W` at once, for a
-   range of message sizes (tensors on the caller's device; one untimed warm-up per round);
-   each sender fits :math:`t = \alpha \cdot bytes + \beta` for its link and the table is
-   all-gathered.
+1. :func:`profile_links` (once, at the first assignment, when every layer's width is known):
+   each link ``s -> p`` is timed over its real message range (the rows ``s`` sends ``p`` in
+   any key, at the fewest to the most bits; :func:`~.links.message_range`): in round
+   :math:`r = 1..W-1` every rank ``s`` sends to :math:`(s + r) \bmod W` and receives from
+   :math:`(s - r) \bmod W` at once, many sizes, several repeats each; the receiver times
+   each message; rank 0 fits :math:`t = \alpha \cdot bytes + \beta` (seconds, bytes) per
+   link with the checks of :mod:`~lightning_fullgraph.comm.policies.adaqp.links` (rejected
+   fits, links indistinguishable from the pooled fit) and broadcasts the costs.
 2. :func:`sender_weights` (once per layer, or once if all layers share a score): the receiver's aggregation score :math:`a_j` of every halo
    row ``j`` (computed by the caller for its conv type, e.g. GCN
    :math:`\sum_{i: j \to i} d_{out}(j)^{-1/2} d_{in}(i)^{-1/2}` (global degrees), mean aggregation
@@ -58,20 +61,22 @@ in peer-rank order.  A layer ``l`` has two message directions, keyed ``(l, "forw
 from __future__ import annotations
 
 import time
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_fullgraph.comm.plan import DIRECTIONS
+from lightning_fullgraph.comm.policies.adaqp.links import LinkCost, ResolvedLinks, probe_sizes, resolve_links
 from lightning_fullgraph.comm.policies.adaqp.milp import (
     ADAPTIVE_BITS,
     AssignmentProblem,
-    LinkCost,
     assign_bits,
-    fit_alpha_beta,
     group_aggregates,
     group_nodes,
     range_coefficients,
@@ -83,6 +88,7 @@ __all__ = [
     "MessageStats",
     "assign_message_bits",
     "measure_link_costs",
+    "profile_links",
     "sender_weights",
 ]
 
@@ -123,71 +129,163 @@ def _global_rank(group: Any, group_rank: int) -> int:
 # --------------------------------------------------------------------------- link costs
 
 
-def measure_link_costs(
+def _timed_exchange(send: Tensor, recv: Tensor, to: int, frm: int, group: Any, device: torch.device) -> float:
+    """One probe message each way after a barrier: seconds until ``recv`` has arrived (the
+    link ``frm -> this rank``); the send is waited for too, untimed.  Ranks are global."""
+    ops = [dist.P2POp(dist.irecv, recv, frm, group=group), dist.P2POp(dist.isend, send, to, group=group)]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    reqs = dist.batch_isend_irecv(ops)
+    reqs[0].wait()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    took = time.perf_counter() - start
+    for req in reqs[1:]:
+        req.wait()
+    return took
+
+
+def profile_links(
     group: Any,
     rank: int,
     world_size: int,
     device: torch.device | str,
-    sizes: tuple[int, ...] = (1 << 10, 1 << 14, 1 << 17, 1 << 20),
-    repeats: int = 3,
-) -> dict[tuple[int, int], LinkCost]:
-    """Times concurrent sends on every directed link and fits alpha-beta (module docstring).
+    message_bytes: Sequence[tuple[float, float]],
+    num_sizes: int = 16,
+    repeats: int = 5,
+    max_probe_bytes: int = 1 << 24,
+    min_r2: float = 0.8,
+    tolerance: float = 0.25,
+) -> tuple[ResolvedLinks, dict[str, float]]:
+    """Times messages over each link's real size range and resolves the link costs.
 
-    Collective over ``group``.  The probe tensors (``uint8``, ``sizes`` bytes) live on
-    ``device`` (NCCL needs CUDA tensors, gloo CPU ones); on CUDA the device is synchronised
-    before starting and after finishing every timed exchange.  Each round starts with one
-    untimed exchange (connection set-up); then every size is timed ``repeats`` times, each
-    after a barrier.
+    Collective over ``group`` (module docstring, step 1; the rule is
+    :mod:`~lightning_fullgraph.comm.policies.adaqp.links`):
+
+    1. one ``all_gather_object`` of every rank's ``message_bytes``; the link ``s -> p`` is
+       probed at :func:`~.links.probe_sizes` ``(lo, hi)`` of its range (a link that carries
+       nothing at the union range of all links, so every link gets a cost);
+    2. rounds ``r = 1..W-1``: every rank sends to ``(rank + r) % W`` and receives from
+       ``(rank - r) % W`` at once (as the halo exchange does); one untimed warm-up message
+       per round at the largest size, then ``repeats`` passes, each over every round and,
+       within a round, over every size in a shuffled order (the same on every rank: a drift
+       of the host's load spreads over all rounds and sizes instead of making one round's
+       links look slower or biasing a slope); every message starts after a barrier and the
+       RECEIVER times it (barrier exit to the message's arrival), for the link
+       ``sender -> receiver``;
+    3. one ``all_gather_object`` of the samples; rank 0 runs :func:`~.links.resolve_links`
+       and broadcasts the result (so every rank holds the same costs), and warns once per
+       note (a rejected fit, naming the link).
+
+    Cost: at most ``(W - 1) * (num_sizes * repeats + 1)`` exchanges of at most
+    ``max_probe_bytes`` each, plus a barrier each; defaults: 243 exchanges at 4 ranks
+    (about 0.5-1 s on loopback; the benchmark ``benchmarks/link_profile.py`` prints it).
+    Probe tensors (``uint8``) live on ``device`` (NCCL needs CUDA, gloo CPU); on CUDA the
+    device is synchronised around every timed message.
 
     Args:
         group: the process group (``None``: default group).
         rank: this rank in ``group``.
         world_size: ranks in ``group`` (``W``).
         device: where the probe tensors live.
-        sizes: message sizes in bytes (at least two distinct ones).
-        repeats: timed exchanges per size.
+        message_bytes: per peer (``[W]``, this rank's entry ignored) ``(lo, hi)``, the
+            smallest and largest message this rank sends it, bytes
+            (:func:`~.links.message_range`); ``(0, 0)``: none.
+        num_sizes: sizes per link (``>= 2``).
+        repeats: timed messages per size (``>= 1``); the fit takes their median.
+        max_probe_bytes: cap on one probe message, bytes (larger messages are extrapolated).
+        min_r2, tolerance: :func:`~.links.resolve_links`'s thresholds.
 
     Returns:
-        ``{(sender, peer): LinkCost}`` for all ``W (W - 1)`` ordered pairs (group ranks),
-        identical on every rank.
+        ``(links, figures)``: ``links.costs`` holds a :class:`~.links.LinkCost` (s/byte, s)
+        for all ``W (W - 1)`` ordered pairs (group ranks), identical on every rank;
+        ``figures``: ``profile_time`` (seconds, this rank, whole call) and
+        ``profile_messages`` (timed messages this rank received).
     """
+    start = time.perf_counter()
     device = torch.device(device)
+    if len(message_bytes) != world_size:
+        raise ValueError(f"message_bytes needs one (lo, hi) per rank: {len(message_bytes)} != {world_size}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    ranges: list[Any] = [None] * world_size
+    dist.all_gather_object(ranges, [(float(lo), float(hi)) for lo, hi in message_bytes], group=group)
+    used = [(lo, hi) for s, row in enumerate(ranges) for p, (lo, hi) in enumerate(row) if p != s and hi > 0]
+    union = (min(lo for lo, _ in used), max(hi for _, hi in used)) if used else (float(1 << 10), float(1 << 20))
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    def sizes_of(s: int, p: int) -> list[int]:
+        lo, hi = ranges[s][p]
+        lo, hi = (lo, hi) if hi > 0 else union
+        return probe_sizes(lo, hi, num_sizes, max_probe_bytes)
 
-    def exchange(send: Tensor, recv: Tensor, to: int, frm: int) -> None:
-        ops = [
-            dist.P2POp(dist.isend, send, _global_rank(group, to), group=group),
-            dist.P2POp(dist.irecv, recv, _global_rank(group, frm), group=group),
-        ]
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-
-    mine: dict[tuple[int, int], tuple[float, float]] = {}
+    rounds = []
     for r in range(1, world_size):
         to, frm = (rank + r) % world_size, (rank - r) % world_size
-        xs: list[float] = []
-        ts: list[float] = []
-        for k, size in enumerate(sizes):
-            send = torch.zeros(size, dtype=torch.uint8, device=device)
-            recv = torch.empty(size, dtype=torch.uint8, device=device)
-            if k == 0:  # untimed warm-up: connection / communicator set-up
-                exchange(send, recv, to, frm)
-            for _ in range(repeats):
-                sync()
-                dist.barrier(group=group)
-                start = time.perf_counter()
-                exchange(send, recv, to, frm)
-                sync()
-                xs.append(float(size))
-                ts.append(time.perf_counter() - start)
-        cost = fit_alpha_beta(xs, ts)
-        mine[(rank, to)] = (cost.alpha, cost.beta)
+        out_sizes, in_sizes = sizes_of(rank, to), sizes_of(frm, rank)
+        rounds.append((
+            frm, out_sizes, in_sizes,
+            torch.zeros(max(out_sizes), dtype=torch.uint8, device=device),
+            torch.empty(max(in_sizes), dtype=torch.uint8, device=device),
+            (_global_rank(group, to), _global_rank(group, frm)),
+        ))
+    samples: dict[tuple[int, int], tuple[list[float], list[float]]] = {
+        (frm, rank): ([], []) for frm, *_ in rounds
+    }
+
+    def step(i: int, k: int, timed: bool) -> None:
+        frm, out_sizes, in_sizes, send, recv, peers = rounds[i]
+        n_out, n_in = out_sizes[k % len(out_sizes)], in_sizes[k % len(in_sizes)]
+        took = _timed_exchange(send[:n_out], recv[:n_in], *peers, group, device)
+        if timed:
+            samples[(frm, rank)][0].append(float(n_in))
+            samples[(frm, rank)][1].append(took)
+
+    num_steps = [max(len(out), len(inc)) for _, out, inc, *_ in rounds]  # a shorter list cycles
+    for i, n in enumerate(num_steps):  # untimed warm-up at the largest sizes: connection, buffers
+        step(i, n - 1, False)
+    # repeats outermost, rounds inside: a drift of the host's load spreads over every round
+    # and size instead of making one round's links look slower (the same order on every rank)
+    for rep in range(repeats):
+        for i, n in enumerate(num_steps):
+            for k in np.random.default_rng([rep, i]).permutation(n).tolist():
+                step(i, k, True)
+
     gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, mine, group=group)
-    return {pair: LinkCost(*ab) for table in gathered for pair, ab in table.items()}
+    dist.all_gather_object(gathered, samples, group=group)
+    decision: list[Any] = [None]
+    if rank == 0:
+        try:
+            everything = {pair: data for table in gathered for pair, data in table.items()}
+            decision = [{"links": resolve_links(everything, min_r2=min_r2, tolerance=tolerance), "error": None}]
+        except Exception as exc:  # shared with every rank below
+            decision = [{"links": None, "error": f"{type(exc).__name__}: {exc}"}]
+    dist.broadcast_object_list(decision, src=_global_rank(group, 0), group=group)
+    if decision[0]["error"] is not None:
+        raise RuntimeError(f"profile_links: rank 0 could not fit the link costs: {decision[0]['error']}")
+    links: ResolvedLinks = decision[0]["links"]
+    if rank == 0:
+        for note in links.notes:
+            warnings.warn(note, UserWarning, stacklevel=2)
+    received = sum(len(xs) for xs, _ in samples.values())
+    figures = {"profile_time": time.perf_counter() - start, "profile_messages": float(received)}
+    return links, figures
+
+
+def measure_link_costs(
+    group: Any,
+    rank: int,
+    world_size: int,
+    device: torch.device | str,
+    message_bytes: Sequence[tuple[float, float]] | None = None,
+    **kwargs: Any,
+) -> dict[tuple[int, int], LinkCost]:
+    """The costs of :func:`profile_links` alone (``message_bytes`` ``None``: every link
+    probed over 1 KiB .. 1 MiB); keyword arguments go to :func:`profile_links`."""
+    if message_bytes is None:
+        message_bytes = [(float(1 << 10), float(1 << 20))] * world_size
+    return profile_links(group, rank, world_size, device, message_bytes, **kwargs)[0].costs
 
 
 # --------------------------------------------------------------------------- row weights

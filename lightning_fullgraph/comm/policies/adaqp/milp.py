@@ -10,12 +10,10 @@ comparisons); it ignores the other senders' links in each round's maximum.
 
 Link cost model
 ---------------
-Per directed rank pair ``s -> p`` a blocking send of ``n`` bytes is modelled as::
-
-    t(n) = alpha * n + beta          alpha [s / byte] >= 0,  beta [s] >= 0
-
-fitted by non-negative least squares (:func:`fit_alpha_beta`).  Units are **bytes and
-seconds** (the paper uses MB; only the unit of ``alpha`` differs).
+Per directed rank pair ``s -> p`` a message of ``n`` bytes takes
+``t(n) = alpha * n + beta`` seconds (``alpha`` in s/byte, ``beta`` in s):
+:class:`~lightning_fullgraph.comm.policies.adaqp.links.LinkCost`, profiled and fitted by
+:mod:`~lightning_fullgraph.comm.policies.adaqp.links` (the one home of the fit rule).
 
 Variance model
 --------------
@@ -96,21 +94,20 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 import torch
-from scipy.optimize import Bounds, LinearConstraint, milp, nnls
+from scipy.optimize import Bounds, LinearConstraint, milp
 from torch import Tensor
 
+from lightning_fullgraph.comm.policies.adaqp.links import LinkCost
 from lightning_fullgraph.comm.quantize import META_NBYTES
 
 __all__ = [
     "ADAPTIVE_BITS",
     "AssignmentProblem",
     "AssignmentResult",
-    "LinkCost",
     "assign_bits",
     "build_problem",
     "evaluate_bits",
     "expand_group_bits",
-    "fit_alpha_beta",
     "group_aggregates",
     "group_nodes",
     "range_coefficients",
@@ -123,61 +120,6 @@ __all__ = [
 ADAPTIVE_BITS: tuple[int, ...] = (2, 4, 8)
 
 Pair = tuple[int, int]
-
-
-# --------------------------------------------------------------------------- link cost model
-
-
-@dataclass(frozen=True)
-class LinkCost:
-    """Linear cost of one blocking send on a directed link: ``t = alpha * nbytes + beta``.
-
-    Attributes:
-        alpha: seconds per byte (``>= 0``).
-        beta: fixed latency in seconds (``>= 0``).
-    """
-
-    alpha: float
-    beta: float
-
-    def time(self, nbytes: float | np.ndarray | Tensor) -> float | np.ndarray | Tensor:
-        """Predicted seconds for sending ``nbytes`` bytes (scalar, array or tensor)."""
-        return self.alpha * nbytes + self.beta
-
-
-def fit_alpha_beta(sizes_bytes: Sequence[float], seconds: Sequence[float]) -> LinkCost:
-    """Fit ``t = alpha * bytes + beta`` with ``alpha, beta >= 0`` by non-negative least squares.
-
-    Uses ``scipy.optimize.nnls`` on ``[bytes / max(bytes), 1] @ [a, beta] = t`` (the size
-    column is scaled for conditioning, then ``alpha = a / max(bytes)``).  The constraint is
-    exact NNLS, not clipping of an unconstrained fit: when the unconstrained slope or
-    intercept would be negative the other coefficient is refitted.
-
-    Args:
-        sizes_bytes: message sizes in bytes, shape ``[K]``.
-        seconds: measured send times in seconds, shape ``[K]``.
-
-    Returns:
-        The fitted :class:`LinkCost`.
-
-    Raises:
-        ValueError: on mismatched lengths, non-finite or negative values, or fewer than two
-            distinct sizes (the fit would be underdetermined).
-    """
-    x = np.asarray(sizes_bytes, dtype=np.float64).reshape(-1)
-    t = np.asarray(seconds, dtype=np.float64).reshape(-1)
-    if x.shape != t.shape:
-        raise ValueError(f"sizes_bytes and seconds differ in length: {x.size} vs {t.size}")
-    if not (np.all(np.isfinite(x)) and np.all(np.isfinite(t))):
-        raise ValueError("sizes_bytes and seconds must be finite")
-    if np.any(x < 0) or np.any(t < 0):
-        raise ValueError("sizes_bytes and seconds must be non-negative")
-    if np.unique(x).size < 2:
-        raise ValueError("fit_alpha_beta needs at least two distinct message sizes")
-    scale = float(x.max())
-    a = np.stack([x / scale, np.ones_like(x)], axis=1)
-    coef, _ = nnls(a, t)
-    return LinkCost(alpha=float(coef[0]) / scale, beta=float(coef[1]))
 
 
 # --------------------------------------------------------------------------- variance / groups

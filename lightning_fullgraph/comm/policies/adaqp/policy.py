@@ -20,11 +20,13 @@ from torch import Tensor
 from lightning_fullgraph.comm.policies.adaqp.distributed import (
     MessageStats,
     assign_message_bits,
-    measure_link_costs,
+    profile_links,
     sender_weights,
 )
-from lightning_fullgraph.comm.policies.adaqp.milp import ADAPTIVE_BITS, LinkCost
+from lightning_fullgraph.comm.policies.adaqp.links import NOMINAL_COST, LinkCost, message_range
+from lightning_fullgraph.comm.policies.adaqp.milp import ADAPTIVE_BITS
 from lightning_fullgraph.comm.policies.base import FIXED_BITS, CompressionPolicy, PolicyEnv, check_bits
+from lightning_fullgraph.comm.quantize import META_NBYTES
 
 __all__ = ["AdaQPPolicy", "QuantizedPolicy"]
 
@@ -69,6 +71,8 @@ class QuantizedPolicy(CompressionPolicy):
         self._scores: dict[int, Callable[[], Tensor] | None] = {}
         self._sender_weights: dict[int, Tensor] = {}
         self._costs: dict[tuple[int, int], Any] | None = None
+        # link_costs="measure": the links are profiled at the first assignment (below)
+        self._profile_due = False
         self._uniform: dict[tuple[int, int], Tensor] = {}
 
     @property
@@ -87,9 +91,12 @@ class QuantizedPolicy(CompressionPolicy):
         if self.adaptive and env.fitting and plan.world_size > 1 and self._costs is None:
             w = plan.world_size
             if self.link_costs == "uniform":
-                self._costs = {(a, b): LinkCost(1e-9, 1e-4) for a in range(w) for b in range(w) if a != b}
+                self._costs = {(a, b): NOMINAL_COST for a in range(w) for b in range(w) if a != b}
             else:
-                self._costs = measure_link_costs(env.group, plan.rank, w, env.device)
+                # profiled at the first assignment, not here: only then are every layer's
+                # width (the hidden widths are the model's) and so each link's real message
+                # range known, which the probe must span (AdaQP's profile.py)
+                self._profile_due = True
 
     def _full(self, bits: int, n: int) -> Tensor:
         key = (bits, n)
@@ -120,7 +127,7 @@ class QuantizedPolicy(CompressionPolicy):
             self._scores[layer] = score
 
     def _assignment_due(self, epoch: int) -> bool:
-        if not self.adaptive or self._costs is None or not self.row_range:
+        if not self.adaptive or (self._costs is None and not self._profile_due) or not self.row_range:
             return False
         return epoch == self.first_assign or (
             epoch > self.first_assign and (epoch - self.first_assign) % self.assign_every == 0
@@ -130,9 +137,12 @@ class QuantizedPolicy(CompressionPolicy):
         """AdaQP's assignment for every (layer, direction) seen so far (collective)."""
         if not self._assignment_due(epoch):
             return {}
-        assert self.env is not None and self._costs is not None
+        assert self.env is not None
         env, plan = self.env, self.env.plan
         start = time.perf_counter()
+        profiled: dict[str, float] = {}
+        if self._costs is None:
+            self._costs, profiled = self._profile_links()
         stats: dict[tuple[int, str], MessageStats] = {}
         for key in sorted(self.row_range):
             layer, direction = key
@@ -161,8 +171,26 @@ class QuantizedPolicy(CompressionPolicy):
         )
         self.assigned.update(tables)
         figures = dict(figures)
-        figures["assign_time"] = time.perf_counter() - start
+        figures["assign_time"] = time.perf_counter() - start  # includes the profile, if one ran
+        if profiled:
+            figures["assign_profile_time"] = profiled["profile_time"]
         return {f"comm/{k}": float(v) for k, v in figures.items()}
+
+    def _profile_links(self) -> tuple[dict[tuple[int, int], LinkCost], dict[str, float]]:
+        """Times every link over the messages it will carry in any (layer, direction) seen so
+        far, at the fewest to the most bits (collective; every rank has the same keys)."""
+        assert self.env is not None
+        env, plan = self.env, self.env.plan
+        keys = sorted(self.row_range)
+        span = message_range(
+            {key: plan.counts(key[1])[0] for key in keys},
+            {key: self.feature_dims[key] for key in keys},
+            ADAPTIVE_BITS,
+            float(META_NBYTES),
+        )
+        links, figures = profile_links(env.group, plan.rank, plan.world_size, env.device, span)
+        self._profile_due = False
+        return links.costs, figures
 
     def settings(self) -> dict[str, Any]:
         out: dict[str, Any] = {"bits": self.bits, "seed": self.seed}
@@ -199,6 +227,7 @@ class QuantizedPolicy(CompressionPolicy):
         self._sender_weights = {int(k): v.to(device) for k, v in state.get("sender_weights", {}).items()}
         if state.get("link_costs") is not None:
             self._costs = {tuple(k): LinkCost(*ab) for k, ab in state["link_costs"].items()}
+            self._profile_due = False
 
 
 class AdaQPPolicy(QuantizedPolicy):
@@ -217,8 +246,11 @@ class AdaQPPolicy(QuantizedPolicy):
         first_assign: Epoch of the first assignment (>= 1; earlier epochs gather statistics).
         lambda_: Weight of variance against time in the objective, in ``[0, 1]``.
         group_size: Rows per group sharing one bit-width.
-        link_costs: ``"measure"`` (time every link at setup) or ``"uniform"`` (the same nominal
-            link everywhere: reproducible assignments).
+        link_costs: ``"measure"`` (at the first assignment, time every link over the messages
+            it carries and fit its cost, falling back to the pooled fit of all links where a
+            link's fit is not physical or not distinguishable from it:
+            :mod:`~lightning_fullgraph.comm.policies.adaqp.links`) or ``"uniform"`` (the same
+            nominal link everywhere: reproducible assignments).
         seed: Seed of the stochastic rounding (rank ``r`` uses ``seed + r``).
     """
 
