@@ -132,9 +132,13 @@ class FullGraphStrategy(DDPStrategy):
             without communication, the limit its transfers can approach.
         overlap: Central/marginal overlap: owned nodes without a remote in-neighbour are
             aggregated while the halo exchange is in flight (forward; in backward the halo
-            gradients travel while the central part's backward runs). Exact. Default: on in
-            adaqp mode, off otherwise. Applies to GCN, SAGE, GIN and GraphConv layers
-            (GAT layers always run synchronously).
+            gradients travel while the central part's backward runs). Exact. ``True`` forces
+            it, ``False`` turns it off; default ``None``: off except in adaqp mode, where it is
+            decided at setup, the same on every rank, from the central share of the aggregation
+            (on where the smallest share over ranks is at least 50 %; measured,
+            :mod:`~lightning_fullgraph.nn.overlap`); the fit-start line and
+            :attr:`overlap_decision` say what was decided and why. Applies to GCN, SAGE, GIN
+            and GraphConv layers (GAT layers always run synchronously).
         sparse_aggregation: Aggregate through cached CSR adjacencies of the local graph
             (PyG's fused ``message_and_aggregate`` path, ``torch.sparse.mm``) for GCN, SAGE,
             GIN and GraphConv layers; ``False`` keeps PyG's edge-list path (an ``[E_r, F]``
@@ -311,7 +315,9 @@ class FullGraphStrategy(DDPStrategy):
             if isinstance(value, Tensor) and value.dim() > 0 and value.size(0) == plan.num_owned:
                 self._exchanger.register_static(value)
         self.halo_share, self._rank_figures = graph_figures(partition, self.world_size, self.root_device)
-        self.overlap_decision = decide_overlap(self.overlap_setting, self.policy, partition, self.world_size, self.root_device)
+        self.overlap_decision = decide_overlap(
+            self.overlap_setting, self.policy, partition, self.world_size, self.root_device
+        )
         self._logging.setup(partition, self.world_size, self.root_device)
         fitting = trainer.state.fn == TrainerFn.FITTING
         max_epochs = trainer.max_epochs if fitting else None
