@@ -5,6 +5,7 @@ A *mode* is one of the strategy's modes or a diagnostic variant of one::
 
     exact, adaqp, sylvie              FullGraphStrategy(mode=...)
     adaqp-nooverlap                   adaqp with overlap=False
+    adaqp-overlap                     adaqp with overlap=True (the split forced on)
     exact-overlap                     exact with the central/marginal overlap on
 
 Every mode ``M`` has a *bound* ``M-bound``: the same settings plus ``compute_only=True``, i.e.
@@ -28,6 +29,7 @@ VARIANT_SETTINGS: dict[str, dict[str, Any]] = {
     "exact-overlap": {"mode": "exact", "overlap": True},
     "adaqp": {"mode": "adaqp"},
     "adaqp-nooverlap": {"mode": "adaqp", "overlap": False},
+    "adaqp-overlap": {"mode": "adaqp", "overlap": True},
     "sylvie": {"mode": "sylvie"},
     # AdaQP's assignment inside Sylvie's pipeline (PipeQS-style combination)
     "sylvie-adaptive": {"mode": "sylvie", "bits": "adaptive"},

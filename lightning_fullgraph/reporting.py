@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from lightning_fullgraph.comm.exchange import HaloExchanger
     from lightning_fullgraph.comm.plan import LocalPartition
     from lightning_fullgraph.comm.policies.base import CompressionPolicy
+    from lightning_fullgraph.nn.overlap import OverlapDecision
 
 __all__ = [
     "DDP_ONLY_KWARGS",
@@ -59,9 +60,12 @@ def graph_figures(partition: LocalPartition, world_size: int, device: torch.devi
     return (float(table[:, 2].sum()) / inputs if inputs > 0 else 0.0), table
 
 
-def describe_run(policy: CompressionPolicy, table: Tensor, halo_share: float) -> str:
+def describe_run(
+    policy: CompressionPolicy, table: Tensor, halo_share: float, overlap: OverlapDecision | None = None
+) -> str:
     """The fit-start line: mode and settings, graph, parts, halo rows per rank and their
-    share of the aggregation inputs (``table`` from :func:`graph_figures`)."""
+    share of the aggregation inputs (``table`` from :func:`graph_figures`), and the overlap
+    decision with the central share (:meth:`~lightning_fullgraph.nn.overlap.OverlapDecision.describe`)."""
     settings = ", ".join(f"{k}={v}" for k, v in policy.settings().items() if v is not None)
     nodes, edges = int(table[:, 0].sum()), int(table[:, 3].sum())
     halo = [int(h) for h in table[:, 1].tolist()]
@@ -70,6 +74,7 @@ def describe_run(policy: CompressionPolicy, table: Tensor, halo_share: float) ->
         f"FullGraphStrategy: mode {policy.name}{f' ({settings})' if settings else ''}; graph "
         f"{nodes:,} nodes, {edges:,} edges in {len(halo)} part(s); halo rows per rank [{shown}] "
         f"({sum(halo) / max(nodes, 1):.1%} of the nodes), {halo_share:.1%} of the aggregation inputs"
+        + (f"; {overlap.describe()}" if overlap is not None else "")
     )
 
 

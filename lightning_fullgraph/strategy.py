@@ -42,11 +42,11 @@ from lightning_fullgraph._warnings import ScopedWarningFilter, leafspec_filter
 from lightning_fullgraph.checkpoint import CHECKPOINT_KEY, PARTITION_KEYS, gather_policy_states, reset_reason
 from lightning_fullgraph.comm.exchange import HaloExchanger
 from lightning_fullgraph.comm.policies import CompressionPolicy, PolicyEnv, resolve_policy
-from lightning_fullgraph.comm.policies.modes import overlap_by_default
 from lightning_fullgraph.data.validation import all_finite
 from lightning_fullgraph.launch.preflight import missing_datamodule_error
 from lightning_fullgraph.metrics import CommMetricsLogger
 from lightning_fullgraph.nn.context import HaloContext
+from lightning_fullgraph.nn.overlap import OverlapDecision, decide_overlap
 from lightning_fullgraph.nn.patch import install_adapters, uninstall_adapters
 from lightning_fullgraph.reporting import (
     SMALL_HALO_SHARE,
@@ -132,9 +132,13 @@ class FullGraphStrategy(DDPStrategy):
             without communication, the limit its transfers can approach.
         overlap: Central/marginal overlap: owned nodes without a remote in-neighbour are
             aggregated while the halo exchange is in flight (forward; in backward the halo
-            gradients travel while the central part's backward runs). Exact. Default: on in
-            adaqp mode, off otherwise. Applies to GCN, SAGE, GIN and GraphConv layers
-            (GAT layers always run synchronously).
+            gradients travel while the central part's backward runs). Exact. ``True`` forces
+            it, ``False`` turns it off; default ``None``: off except in adaqp mode, where it is
+            decided at setup, the same on every rank, from the central share of the aggregation
+            (on where the smallest share over ranks is at least 50 %; measured,
+            :mod:`~lightning_fullgraph.nn.overlap`); the fit-start line and
+            :attr:`overlap_decision` say what was decided and why. Applies to GCN, SAGE, GIN
+            and GraphConv layers (GAT layers always run synchronously).
         sparse_aggregation: Aggregate through cached CSR adjacencies of the local graph
             (PyG's fused ``message_and_aggregate`` path, ``torch.sparse.mm``) for GCN, SAGE,
             GIN and GraphConv layers; ``False`` keeps PyG's edge-list path (an ``[E_r, F]``
@@ -208,7 +212,9 @@ class FullGraphStrategy(DDPStrategy):
             timeout=timeout, start_method=start_method, process_group_backend=process_group_backend, **kwargs
         )
         self.policy: CompressionPolicy = policy
-        self.overlap = overlap_by_default(policy) if overlap is None else bool(overlap)
+        self.overlap_setting = overlap
+        #: Whether the split runs, the central share and why (set at setup; nn/overlap.py).
+        self.overlap_decision: OverlapDecision | None = None
         self.compute_only = compute_only
         self.check_finite = check_finite
         self.sparse_aggregation = bool(sparse_aggregation)
@@ -250,6 +256,12 @@ class FullGraphStrategy(DDPStrategy):
     def mode(self) -> str:
         """The policy's method: ``"exact"``, ``"adaqp"`` or ``"sylvie"``."""
         return self.policy.name
+
+    @property
+    def overlap(self) -> bool | None:
+        """Whether the overlap split runs: the decision once set up; before, the setting
+        (``None``: decided at setup from the central share, :mod:`~lightning_fullgraph.nn.overlap`)."""
+        return self.overlap_setting if self.overlap_decision is None else self.overlap_decision.used
 
     @property
     def bits(self) -> int | str | None:
@@ -303,6 +315,9 @@ class FullGraphStrategy(DDPStrategy):
             if isinstance(value, Tensor) and value.dim() > 0 and value.size(0) == plan.num_owned:
                 self._exchanger.register_static(value)
         self.halo_share, self._rank_figures = graph_figures(partition, self.world_size, self.root_device)
+        self.overlap_decision = decide_overlap(
+            self.overlap_setting, self.policy, partition, self.world_size, self.root_device
+        )
         self._logging.setup(partition, self.world_size, self.root_device)
         fitting = trainer.state.fn == TrainerFn.FITTING
         max_epochs = trainer.max_epochs if fitting else None
@@ -322,7 +337,7 @@ class FullGraphStrategy(DDPStrategy):
             self._restore_policy_state(self._pending_state)
         self._pending_state = None
         self._ctx = HaloContext(
-            self._exchanger, overlap=self.overlap, check_finite=self.check_finite, sparse=self.sparse_aggregation
+            self._exchanger, overlap=self.overlap_decision.used, check_finite=self.check_finite, sparse=self.sparse_aggregation
         )
         assert self.lightning_module is not None
         if self._adapters is not None:
@@ -352,7 +367,7 @@ class FullGraphStrategy(DDPStrategy):
     def describe_run(self) -> str:
         """The fit-start line: mode and settings, graph, parts, halo rows per rank and their
         share of the aggregation inputs (:func:`~lightning_fullgraph.reporting.describe_run`)."""
-        return describe_run(self.policy, self._rank_figures, self.halo_share)
+        return describe_run(self.policy, self._rank_figures, self.halo_share, self.overlap_decision)
 
     #: Below this share of the aggregation inputs, compressing halo messages cannot matter.
     SMALL_HALO_SHARE = SMALL_HALO_SHARE

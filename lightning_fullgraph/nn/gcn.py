@@ -47,15 +47,20 @@ def gcn_adapter(conv: GCNConv, forward, ctx: HaloContext, x: Tensor, edge_index,
         raise UnsupportedConvError("GCNConv with flow='target_to_source' is not supported by FullGraphStrategy")
     sources = (edge_index, edge_weight)
     rule = ("sum", "gcn", bool(conv.normalize), bool(conv.improved), bool(conv.add_self_loops))
-    if (
-        conv.normalize
-        and not ctx.overlap
-        and (edge_weight is None or not edge_weight.requires_grad)
-        and ctx.use_sparse(conv, x, edge_weight)
-    ):
+    constant = conv.normalize and (edge_weight is None or not edge_weight.requires_grad)
+    split = None
+    if constant and ctx.overlap:
+        # Overlap keeps only the central/marginal blocks, built from the normalised edges,
+        # which are then dropped (as gcn_adjacency does); the score is rebuilt on demand.
+        sparse = ctx.use_sparse(conv, x, edge_weight)
+        split = ctx.gcn_split(edge_index, edge_weight, conv.improved, conv.add_self_loops, x.dtype, sparse, csr_dtype(x))
+        score = ctx.gcn_score(edge_index, edge_weight, conv.improved, conv.add_self_loops, x.dtype, rule)
+    if constant and split is None and ctx.use_sparse(conv, x, edge_weight):
         # The fused path only reads the CSR: build it from the normalised edges and keep no
         # edge list (same matrix, same score, as the general path below).  The degree exchange
-        # runs (once) before the feature exchange, as below.
+        # runs (once) before the feature exchange, as below.  Also taken with overlap on where
+        # this rank has no central or no marginal row: no split, and the general path would
+        # keep the normalised edge list and run PyG's transform-first order for nothing.
         adj = ctx.gcn_adjacency(edge_index, edge_weight, conv.improved, conv.add_self_loops, x.dtype)
         score = ctx.gcn_score(edge_index, edge_weight, conv.improved, conv.add_self_loops, x.dtype, rule)
         if _aggregate_first(conv, x):
@@ -65,13 +70,6 @@ def gcn_adapter(conv: GCNConv, forward, ctx: HaloContext, x: Tensor, edge_index,
             return forward(ctx.exchange(x, score), adj)
         finally:
             conv.normalize = normalize
-    split = None
-    if conv.normalize and ctx.overlap and (edge_weight is None or not edge_weight.requires_grad):
-        # Overlap keeps only the central/marginal blocks, built from the normalised edges,
-        # which are then dropped (as gcn_adjacency does); the score is rebuilt on demand.
-        sparse = ctx.use_sparse(conv, x, edge_weight)
-        split = ctx.gcn_split(edge_index, edge_weight, conv.improved, conv.add_self_loops, x.dtype, sparse, csr_dtype(x))
-        score = ctx.gcn_score(edge_index, edge_weight, conv.improved, conv.add_self_loops, x.dtype, rule)
     if split is None:
         if conv.normalize:
             edge_index, weight = ctx.gcn_norm(edge_index, edge_weight, conv.improved, conv.add_self_loops, x.dtype)

@@ -116,6 +116,31 @@ fit_two_ranks(data, tmp / "parts", strategy_kwargs={"mode": "adaqp", "bits": 4})
 
 
 @pytest.mark.slow
+def test_fit_start_line_states_the_overlap_decision(tmp_path) -> None:
+    """The fit-start line says whether the central/marginal split runs, why, and the central
+    share (min and mean over ranks): adaqp's default on two communities joined by 3 bridges
+    (share ~0.95: on) and on a random graph (share ~0: off).
+
+    Negative control (run): ``describe_run`` without its overlap argument in the strategy
+    leaves "overlap on"/"overlap off" out of the line: both searches fail.
+    """
+    out = _run(
+        tmp_path,
+        """
+fit_two_ranks(two_communities(bridges=3), tmp / "a", strategy_kwargs={"mode": "adaqp", "bits": 4})
+fit_two_ranks(directed_graph(seed=3), tmp / "b", strategy_kwargs={"mode": "adaqp", "bits": 4})
+""",
+    )
+    lines = [ln for ln in out.splitlines() if ln.startswith("FullGraphStrategy: mode")]
+    assert len(lines) == 2, out[-3000:]
+    share = r"central share of the aggregation (\d+\.\d)% min, (\d+\.\d)% mean over ranks"
+    on = re.search(r"overlap on \(central share at least 50%; " + share, lines[0])
+    off = re.search(r"overlap off \(central share below 50%: nothing to hide; " + share, lines[1])
+    assert on and off, lines
+    assert float(on.group(1)) >= 50.0 > float(off.group(1))
+
+
+@pytest.mark.slow
 def test_a_tiny_halo_warns_that_compression_cannot_matter(tmp_path) -> None:
     """Two communities joined by 3 bridges: a handful of halo rows.  A compressed mode warns
     that compression cannot change much; a graph with a real cut does not warn.

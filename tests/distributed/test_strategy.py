@@ -180,7 +180,9 @@ def test_registry_names_and_modes() -> None:
     with pytest.raises(ValueError, match="bits=3"):
         FullGraphStrategy(mode="adaqp", bits=3)
     assert FullGraphStrategy(mode="adaqp").bits == "adaptive"
-    assert FullGraphStrategy(mode="adaqp").overlap and not FullGraphStrategy().overlap
+    # adaqp's overlap is decided at setup from the central share (tests/distributed/test_overlap_decision.py)
+    assert FullGraphStrategy(mode="adaqp").overlap is None and not FullGraphStrategy().overlap
+    assert FullGraphStrategy(mode="exact", overlap=True).overlap is True
 
 
 class _Diverges(NodeClassifier):

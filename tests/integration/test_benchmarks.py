@@ -155,7 +155,7 @@ def test_benchmark_smoke(tmp_path) -> None:
 
 def test_bounds_run_their_own_mode() -> None:
     """Every ``M-bound`` is ``FullGraphStrategy(mode=M, compute_only=True)`` with M's own
-    settings (adaqp: overlap on, adaptive bits; sylvie: 1 bit); ``compute-only`` is an alias of
+    settings (adaqp: overlap decided at setup, adaptive bits; sylvie: 1 bit); ``compute-only`` is an alias of
     ``exact-bound``, and the default ``--modes`` runs each mode AND its bound.
 
     Negative control: mapping ``adaqp-bound`` to the old ``compute-only`` settings
@@ -177,7 +177,9 @@ def test_bounds_run_their_own_mode() -> None:
         plain, bounded = attrs(modes.strategy_settings(mode)), attrs(modes.strategy_settings(bound))
         assert bounded == {**plain, "compute_only": True}, (mode, plain, bounded)
         assert bounded["mode"] == modes.base_mode(mode)
-    assert attrs(modes.strategy_settings("adaqp-bound"))["overlap"] is True
+    # adaqp's overlap is decided at setup from the partition alone: the bound decides as its mode
+    assert attrs(modes.strategy_settings("adaqp-bound"))["overlap"] is None
+    assert attrs(modes.strategy_settings("adaqp-overlap-bound"))["overlap"] is True
     assert modes.canonical("compute-only") == "exact-bound"
     assert modes.strategy_settings("compute-only") == {"mode": "exact", "compute_only": True}
     run = _load("run")

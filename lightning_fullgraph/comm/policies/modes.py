@@ -40,8 +40,9 @@ class Mode:
         name: The mode (``FullGraphStrategy(mode=...)``); also the policy's ``name``.
         policy: The policy class; its constructor's arguments are the settings the mode takes.
         description: One line for Lightning's strategy registry (``fullgraph_<name>``).
-        overlap_by_default: Whether central/marginal overlap is on unless
-            ``FullGraphStrategy(overlap=...)`` says.
+        overlap_by_default: Whether central/marginal overlap may run unless
+            ``FullGraphStrategy(overlap=...)`` says: it then runs where the central share of
+            the aggregation is large enough (decided at setup, :mod:`lightning_fullgraph.nn.overlap`).
         aliases: Further strategy names for this mode, ``(name, description)`` each.
     """
 
@@ -92,8 +93,9 @@ def mode_of(policy: CompressionPolicy) -> Mode | None:
 
 
 def overlap_by_default(policy: CompressionPolicy) -> bool:
-    """Whether central/marginal overlap is on for ``policy`` unless the strategy says (its
-    mode's row; off for a policy outside the table)."""
+    """Whether central/marginal overlap may run for ``policy`` unless the strategy says (its
+    mode's row; off for a policy outside the table); where the central share allows is
+    :func:`lightning_fullgraph.nn.overlap.decide_overlap`'s decision."""
     row = mode_of(policy)
     return row.overlap_by_default if row is not None else False
 
