@@ -2,10 +2,12 @@
 
 ``tests/data/trajectories/`` holds, per mode, the weights after 7 epochs on 3 ranks and a
 checkpoint written after epoch 4 (stale Sylvie blocks in flight, AdaQP's bit assignment and
-rounding RNG, smoothing averages), both recorded by ``tests/data/record_trajectories.py`` with
-the package as it was before the layout of 0.6 (commit 051cc58). A fresh run must reproduce the
-weights bit for bit, and resuming the old checkpoint must reach them too: checkpoints written by
-an earlier version load.
+rounding RNG, smoothing averages), both recorded by ``tests/data/record_trajectories.py``.
+First recorded before the layout of 0.6 (commit 051cc58, whose epoch-4 checkpoints stay in
+``trajectories/v0.5/``); re-recorded for the counter-based dither and AdaQP's overlap decided
+at setup (issue 31: both MEANT to change the compressed modes' weights; exact's are unchanged).
+A fresh run must reproduce the weights bit for bit, and resuming the checkpoint must reach them
+too; checkpoints written by 0.5 still resume.
 
 Re-record (``python tests/data/record_trajectories.py``) only for a change that is MEANT to
 alter training, and say so in CHANGELOG; a torch or PyG upgrade that changes kernels also
@@ -46,8 +48,8 @@ def test_a_fresh_run_reproduces_the_recorded_weights(mode: str, tmp_path: Path) 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", list(MODES))
-def test_a_checkpoint_from_before_the_move_resumes_to_the_recorded_weights(mode: str, tmp_path: Path) -> None:
-    """The epoch-4 checkpoint recorded by the old layout resumes to epoch 7's recorded weights.
+def test_the_recorded_checkpoint_resumes_to_the_recorded_weights(mode: str, tmp_path: Path) -> None:
+    """The recorded epoch-4 checkpoint resumes to epoch 7's recorded weights.
 
     With the rounding seed changed as in the test above, these still pass: the stream's state
     comes from the checkpoint, so the old checkpoint's policy state is what is restored.
@@ -61,3 +63,24 @@ def test_a_checkpoint_from_before_the_move_resumes_to_the_recorded_weights(mode:
     for key in recorded:
         torch.testing.assert_close(weights[key], recorded[key], rtol=0, atol=0,
                                    msg=lambda m, k=key: f"{mode} {k}: {m}")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_checkpoint_written_by_0_5_still_resumes(mode: str, tmp_path: Path) -> None:
+    """0.5's epoch-4 checkpoints (before the counter-based dither) resume to epoch 7: their
+    policy state (the rounding stream's generator, Sylvie's blocks, AdaQP's bits) loads.
+    Exact mode rounds nothing, so it must still end on the recorded weights bit for bit; the
+    compressed modes end on finite weights of the recorded shapes (their dither changed).
+
+    Negative control (run): a policy ``load_state_dict`` that refuses the generator state of
+    0.5 fails every compressed mode here."""
+    ckpt = RECORDS / "v0.5" / f"{mode}-epoch4.ckpt"
+    assert ckpt.is_file(), f"{ckpt} missing"
+    weights = fit(tmp_path, mode, resume=ckpt)
+    recorded = _recorded(mode)
+    assert weights.keys() == recorded.keys()
+    for key in recorded:
+        assert weights[key].shape == recorded[key].shape and bool(torch.isfinite(weights[key]).all())
+        if mode == "exact":
+            torch.testing.assert_close(weights[key], recorded[key], rtol=0, atol=0)
