@@ -28,7 +28,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fullgraph.comm.quantize import SUPPORTED_BITS, dequantize, from_bytes, quantize, row_nbytes
+from lightning_fullgraph.comm.quantize import (
+    SUPPORTED_BITS,
+    dequantize,
+    dequantize_scattered,
+    from_bytes,
+    quantize,
+    quantize_scattered,
+    row_nbytes,
+)
 
 __all__ = [
     "EncodedRows",
@@ -71,12 +79,15 @@ class MessageLayout:
         nbytes: Bytes of the message to (or from) each peer.
         index: ``{b: [rows at b]}`` positions (int64) of the rows of each width in row order
             (not used when every row has the same width: no gather, no scatter).
+        offsets: ``{b: [rows at b]}`` byte offsets (int64) of those rows' records in the
+            message (all peers' messages back to back).
         payload_bits: ``sum(bits) * row_len``: bits of the levels, row metadata excluded.
     """
 
     widths: dict[int, list[int]]
     nbytes: list[int]
     index: dict[int, Tensor]
+    offsets: dict[int, Tensor]
     payload_bits: int
 
     @property
@@ -95,8 +106,23 @@ def message_layout(bits: Tensor, counts: list[int], row_len: int) -> MessageLayo
         size = row_nbytes(row_len, b)
         for p, c in enumerate(per_peer):
             nbytes[p] += c * size
+    # byte offset of every (peer, width) block: peers in order, widths ascending in each
+    start: dict[int, list[int]] = {b: [0] * len(counts) for b in widths}
+    at = 0
+    for p in range(len(counts)):
+        for b in sorted(widths):
+            start[b][p] = at
+            at += widths[b][p] * row_nbytes(row_len, b)
+    peer = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.long))
+    offsets: dict[int, Tensor] = {}
+    for b, idx in index.items():
+        per_peer = torch.tensor(widths[b], dtype=torch.long)
+        first = torch.cumsum(per_peer, 0) - per_peer  # position of each peer's first row at b
+        owner = peer[idx.cpu()]
+        rank = torch.arange(idx.numel()) - first[owner]  # the row's place in its block
+        offsets[b] = (torch.tensor(start[b], dtype=torch.long)[owner] + rank * row_nbytes(row_len, b)).to(bits.device)
     payload = sum(b * sum(per_peer) for b, per_peer in widths.items()) * row_len
-    return MessageLayout(widths, nbytes, index, payload)
+    return MessageLayout(widths, nbytes, index, offsets, payload)
 
 
 class LayoutCache:
@@ -170,15 +196,12 @@ def encode_rows(
 def _encode_grouped(
     rows: Tensor, counts: list[int], layout: MessageLayout, generator: torch.Generator | None
 ) -> EncodedRows:
-    records: dict[int, list[Tensor]] = {}
+    # every width's rows quantized in one call (one key), each record written where it goes
+    buffer = torch.empty(sum(layout.nbytes), dtype=torch.uint8, device=rows.device)
     rng = torch.zeros(rows.size(0), dtype=torch.float32, device=rows.device)
-    for b, per_peer in layout.widths.items():
+    for b in layout.widths:
         idx = layout.index[b]
-        q = quantize(rows.index_select(0, idx), b, generator=generator)
-        rng[idx] = q.rng
-        records[b] = list(torch.split(q.buffer, per_peer))
-    pieces = [records[b][p].reshape(-1) for p in range(len(counts)) for b in sorted(records)]
-    buffer = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.uint8, device=rows.device)
+        rng.index_copy_(0, idx, quantize_scattered(rows, idx, b, buffer, layout.offsets[b], generator))
     return EncodedRows(buffer=buffer, nbytes=layout.nbytes, rng=rng)
 
 
@@ -209,18 +232,9 @@ def _decode_grouped(
     n = sum(counts)
     if out is None:
         out = torch.empty((n, row_len), dtype=torch.float32, device=buffer.device)
-    widths = layout.widths
-    per_bits: dict[int, list[Tensor]] = {b: [] for b in widths}
-    offset = 0
-    for p in range(len(counts)):
-        for b in sorted(widths):
-            size = widths[b][p] * row_nbytes(row_len, b)
-            per_bits[b].append(buffer[offset : offset + size])
-            offset += size
-    for b, chunks in per_bits.items():
-        idx = layout.index[b]
-        flat = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
-        out.index_copy_(0, idx, dequantize(from_bytes(flat.contiguous(), idx.numel(), row_len, b)))
+    buffer = buffer.contiguous()
+    for b in layout.widths:
+        dequantize_scattered(buffer, layout.offsets[b], b, row_len, layout.index[b], out)
     return out
 
 

@@ -610,6 +610,7 @@ def quantize(
     out: Tensor | None = None,
     hugepages: bool = True,
     backend: str = "auto",
+    key: int | None = None,
 ) -> QuantizedRows:
     """Quantizes every row of ``x`` to ``bits`` bits with unbiased stochastic rounding.
 
@@ -625,6 +626,8 @@ def quantize(
         hugepages: Give a large (>= 8 MiB) CPU record buffer allocated here ``MADV_HUGEPAGE``
             advice (speed only: the bytes are the same either way).
         backend: One of :data:`BACKENDS` (speed only: the bytes are the same).
+        key: The call's 32-bit dither key (module docstring); drawn from ``generator`` when
+            ``None``.  Unbiasedness needs it uniformly random.
 
     Returns:
         :class:`QuantizedRows` with ``payload_nbytes(N, D, bits)`` bytes of records and the
@@ -662,10 +665,11 @@ def quantize(
     if d == 0:
         buf.zero_()
         return result
-    key = _draw_key(generator, dev)
+    if key is None:
+        key = _draw_key(generator, dev)
     if kernels is not None:
         x = x.contiguous()
-        done = kernels.quantize_rows(x.numpy(), buf.numpy(), mn.numpy(), rng.numpy(), np.uint32(key), bits, 0)
+        done = kernels.quantize_rows(x.numpy(), buf.numpy(), mn.numpy(), rng.numpy(), np.uint32(key), bits)
         if done < 0:
             _write_constant_rows(buf, mn, rng)
             return result
@@ -753,6 +757,81 @@ def quantize(
     return result
 
 
+def quantize_scattered(
+    x: Tensor,
+    index: Tensor,
+    bits: int,
+    buffer: Tensor,
+    offsets: Tensor,
+    generator: torch.Generator | None = None,
+    *,
+    backend: str = "auto",
+) -> Tensor:
+    """Quantizes the rows ``x[index]`` (one call: one key, row ``i`` of the call is
+    ``x[index[i]]``) and writes record ``i`` to ``buffer[offsets[i] : offsets[i] + row_nbytes]``.
+
+    The bytes are :func:`quantize`'s of ``x.index_select(0, index)``; on CPU the compiled kernel
+    reads the rows in place and writes the records where they go (the rows of one bit-width of
+    a mixed-width message: no gather, no concatenation).
+
+    Args:
+        x: ``[M, D]`` floating tensor.
+        index: ``[n]`` int64 rows of ``x``.
+        bits: 1, 2, 4 or 8.
+        buffer: 1-D uint8 tensor (the whole message) on ``x``'s device.
+        offsets: ``[n]`` int64 byte offsets of the records in ``buffer``.
+        generator: Source of the call's key.
+        backend: One of :data:`BACKENDS`.
+
+    Returns:
+        ``[n]`` float32 true ``max - min`` of every quantized row.
+    """
+    bits = _check_bits(bits)
+    x = _as_2d_float(x)
+    n, d = index.numel(), x.shape[1]
+    dev = x.device
+    kernels = _kernels_for(backend, dev)
+    if n == 0:
+        return torch.zeros(0, dtype=torch.float32, device=dev)
+    key = _draw_key(generator, dev)
+    if kernels is not None and d > 0 and buffer.is_contiguous():
+        x = x.contiguous()
+        mn = torch.empty(n, dtype=torch.float32)
+        rng = torch.empty(n, dtype=torch.float32)
+        done = kernels.quantize_gather(
+            x.numpy(), index.numpy(), buffer.numpy(), offsets.numpy(), mn.numpy(), rng.numpy(), np.uint32(key), bits
+        )
+        if done < 0:
+            if float(rng.amin()) == 0:  # constant rows: their exact form, where it applies
+                where = offsets[:, None] + torch.arange(row_nbytes(d, bits))
+                records = buffer[where]
+                if _write_constant_rows(records, mn, rng):
+                    buffer[where] = records
+            return rng
+    q = quantize(x.index_select(0, index), bits, key=key, backend="torch")
+    buffer[offsets[:, None] + torch.arange(row_nbytes(d, bits), device=dev)] = q.buffer
+    return q.rng
+
+
+def dequantize_scattered(
+    buffer: Tensor, offsets: Tensor, bits: int, row_len: int, index: Tensor, out: Tensor, *, backend: str = "auto"
+) -> Tensor:
+    """Decodes the records at ``buffer[offsets[i]:]`` (``bits`` bits, ``row_len`` values) into
+    the rows ``out[index[i]]`` (float32 ``[R, row_len]``): the rows of one bit-width of a
+    mixed-width message, in place.  The rows are :func:`dequantize`'s.  Returns ``out``."""
+    bits = _check_bits(bits)
+    n = index.numel()
+    if n == 0 or row_len == 0:
+        return out
+    kernels = _kernels_for(backend, buffer.device)
+    if kernels is not None and out.stride(1) == 1 and buffer.is_contiguous():
+        if kernels.dequantize_scatter(buffer.numpy(), offsets.numpy(), bits, row_len, index.numpy(), out.numpy()) < 0:
+            return out
+    records = buffer[offsets[:, None] + torch.arange(row_nbytes(row_len, bits), device=buffer.device)]
+    rows = dequantize(QuantizedRows(records, bits, (n, row_len)), backend="torch")
+    return out.index_copy_(0, index, rows)
+
+
 def _write_metadata(buf: Tensor, lo: Tensor, rbits: Tensor) -> None:
     """Writes the 16-bit fields of every record (``rbits``: float32 patterns of the ranges,
     overwritten)."""
@@ -764,17 +843,19 @@ def _write_metadata(buf: Tensor, lo: Tensor, rbits: Tensor) -> None:
     buf[:, :META_NBYTES].copy_(word.view(torch.uint8).view(n, 4))
 
 
-def _write_constant_rows(buf: Tensor, mn: Tensor, rng: Tensor) -> None:
+def _write_constant_rows(buf: Tensor, mn: Tensor, rng: Tensor) -> bool:
     """Writes the exact form of the constant rows whose value is not a bfloat16 (over their
-    grid records)."""
+    grid records); whether there were any."""
     if buf.shape[0] == 0 or float(rng.amin()) > 0:  # (a min reduction is much cheaper than a bool any())
-        return
+        return False
     exact = (rng == 0).logical_and_(mn.view(torch.int32).bitwise_and(0xFFFF) != 0)
-    if bool(exact.any()):
-        idx = torch.nonzero(exact).squeeze(1)
-        c = mn.index_select(0, idx).view(torch.uint8).view(-1, 4)  # little-endian bytes b0..b3
-        mark = torch.full_like(c[:, 0], _CONST_MARK >> 8)
-        buf[idx, 0:5] = torch.stack([c[:, 2], c[:, 3], c[:, 1], mark, c[:, 0]], dim=1)
+    if not bool(exact.any()):
+        return False
+    idx = torch.nonzero(exact).squeeze(1)
+    c = mn.index_select(0, idx).view(torch.uint8).view(-1, 4)  # little-endian bytes b0..b3
+    mark = torch.full_like(c[:, 0], _CONST_MARK >> 8)
+    buf[idx, 0:5] = torch.stack([c[:, 2], c[:, 3], c[:, 1], mark, c[:, 0]], dim=1)
+    return True
 
 
 def _unpack_into(words: Tensor, tmp: Tensor, bits: int) -> None:

@@ -146,3 +146,29 @@ def test_backend_names_are_checked() -> None:
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="CPU tensors only"):
             quantize(torch.zeros(2, 2, device="cuda"), 2, backend="numba")
+
+
+def test_a_mixed_width_message_has_the_same_bytes_on_both_paths(monkeypatch) -> None:
+    """A mixed-width message (AdaQP after an assignment): the kernels read each width's rows in
+    place and write each record at its offset; the bytes, the row ranges and the decoded rows
+    are the torch path's (which gathers, quantizes and scatters), constant rows included.
+
+    Negative control (run): a gather kernel that writes record ``i`` at ``i * row_nbytes``
+    instead of its offset fails the byte comparison."""
+    from lightning_fullgraph.comm.codec import decode_rows, encode_rows
+
+    counts = [7, 0, 12, 5]
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(sum(counts), 29, generator=g) * 2
+    rows[3] = 0.7  # a constant row that is not a bfloat16
+    bits = torch.tensor([1, 2, 4, 8] * 6, dtype=torch.uint8)
+    fast = encode_rows(rows, bits, counts, generator=torch.Generator().manual_seed(3))
+    fast_rows = decode_rows(fast.buffer, bits, counts, 29)
+    monkeypatch.setattr(Q, "_fused_kernels", lambda: None)
+    slow = encode_rows(rows, bits, counts, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(fast.buffer, slow.buffer) and fast.nbytes == slow.nbytes
+    assert torch.equal(fast.rng, slow.rng)
+    assert torch.equal(decode_rows(slow.buffer, bits, counts, 29), fast_rows)
+    assert torch.equal(fast_rows[3], rows[3])
+    step = (rows.amax(1) - rows.amin(1))[:, None] * 1.02 / (2 ** bits.long()[:, None] - 1)
+    assert bool(((fast_rows - rows).abs() <= step + 1e-6).all())
