@@ -270,10 +270,14 @@ class ReceivedRows:
         """Shape of the decoded rows, ``(R, F)``."""
         return (self.bits.numel(), self.row_len)
 
-    def decode(self) -> Tensor:
-        """The ``[R, F]`` rows (a new tensor on every call)."""
+    def decode(self, out: Tensor | None = None) -> Tensor:
+        """The ``[R, F]`` rows: a new tensor on every call, or written into ``out`` (``[R, F]``
+        of the rows' dtype, e.g. the halo rows of the buffer a conv reads) and returned."""
         t = time.perf_counter()
-        out = decode_rows(self.buffer, self.bits, self.counts, self.row_len, self.layout).to(self.dtype)
+        direct = out if out is not None and self.dtype == torch.float32 else None
+        rows = decode_rows(self.buffer, self.bits, self.counts, self.row_len, self.layout, direct).to(self.dtype)
+        if out is not None and direct is None:
+            rows = out.copy_(rows)
         if self.stats is not None:
             self.stats.quant_time += time.perf_counter() - t
-        return out
+        return rows

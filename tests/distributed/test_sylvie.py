@@ -148,11 +148,13 @@ def test_epoch_adaptive_rule_with_a_rank_without_training_nodes(tmp_path) -> Non
     loss NaN; the adaptor skips a non-finite loss, so the bits never rise above 1 and
     ``comm/global_loss`` is never logged (non-finite figures are skipped)."""
     data = without_training_nodes_on_last_rank(directed_graph(seed=5), 3)
-    # (the adaptor reads rates from epoch 9 on; a window of 2 reacts to one slower epoch)
+    # (the adaptor reads rates from epoch 9 on; a window of 2 reacts to one slower epoch.
+    # Epochs that get slower by design make the loss's rate per second fall whatever the
+    # machine's timing noise: with free-running epochs the rule saw no slowdown in 1 run of 6)
     trainer = cpu_trainer(3, max_epochs=14, callbacks=[_RecordAdaptive()], strategy_kwargs={
         "mode": "sylvie", **PIPELINED, "staleness": 3, "smoothing": 0.9, "epoch_adaptive": True,
         "adaptive_window": 2})
-    trainer.fit(_MeanLoss(conv="sage"), datamodule=FullGraphDataModule(data, cache_dir=tmp_path))
+    trainer.fit(_SlowingMeanLoss(conv="sage"), datamodule=FullGraphDataModule(data, cache_dir=tmp_path))
 
 
 class _MeanLoss(NodeClassifier):
@@ -161,6 +163,15 @@ class _MeanLoss(NodeClassifier):
     def training_step(self, batch, batch_idx):
         out = self(batch.x, batch.edge_index)
         return torch.nn.functional.cross_entropy(out[batch.train_mask], batch.y[batch.train_mask])
+
+
+class _SlowingMeanLoss(_MeanLoss):
+    """:class:`_MeanLoss` whose training step takes 20 ms longer every epoch (inside the
+    forward + backward time the adaptor divides by)."""
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.02 * self.current_epoch)
+        return super().training_step(batch, batch_idx)
 
 
 @pytest.mark.timeout(180)

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from lightning_fullgraph.comm.codec import ReceivedRows
-from lightning_fullgraph.comm.path import Exchanger, append_halo, split_halo_grad
+from lightning_fullgraph.comm.path import Exchanger, append_halo, halo_buffer, split_halo_grad
 
 __all__ = ["SMOOTH_CHOICES", "Block", "LayerPipe", "Schedule", "StalenessState", "block_rows", "pipeline_halo"]
 
@@ -179,10 +179,13 @@ class StalenessState:
         pipe.grad_epoch = sent_epoch
 
     @staticmethod
-    def halo_rows(pipe: LayerPipe) -> Tensor:
-        """A new ``[H, F]`` tensor of the halo rows to consume (never the kept buffer)."""
+    def halo_rows(pipe: LayerPipe, out: Tensor | None = None) -> Tensor:
+        """A new ``[H, F]`` tensor of the halo rows to consume (never the kept buffer), or
+        those rows written into ``out`` (e.g. the halo rows of the buffer a conv reads)."""
         assert pipe.halo is not None
-        return pipe.halo.decode() if isinstance(pipe.halo, ReceivedRows) else pipe.halo.clone()
+        if isinstance(pipe.halo, ReceivedRows):
+            return pipe.halo.decode(out)
+        return pipe.halo.clone() if out is None else out.copy_(pipe.halo)
 
     @staticmethod
     def grad_rows(pipe: LayerPipe) -> Tensor | None:
@@ -326,7 +329,11 @@ class _StaleFn(torch.autograd.Function):
         st.record_age(layer, st.epoch - pipe.halo_epoch)
         ctx.exchanger, ctx.state, ctx.schedule, ctx.layer = exchanger, st, schedule, layer
         ctx.full, ctx.num_owned = full, x.size(0)
-        return append_halo(x, st.halo_rows(pipe), full)
+        if not full:
+            return st.halo_rows(pipe)
+        buffer, halo = halo_buffer(x, exchanger.plan.num_halo)
+        st.halo_rows(pipe, halo)  # decoded straight into the rows the conv reads
+        return buffer
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None, None]:
