@@ -123,7 +123,12 @@ def _quantize_row(row, ri, o, i, key, bits, lv, w64, w32, w16, scratch, sbits, m
     return True
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+# Explicit signatures: one compilation per kernel when this module is first imported (or a load
+# from numba's on-disk cache), never inside a training epoch, and any row layout of ``out``.
+@numba.njit(
+    "int64(float32[:, ::1], uint8[:, :], float32[::1], float32[::1], uint32, int64)",
+    cache=True, nogil=True, boundscheck=False,
+)
 def quantize_rows(x, out, mn_out, rng_out, key, bits):  # pragma: no cover - compiled
     """Quantizes every row of ``x`` into its record in ``out``.
 
@@ -153,7 +158,10 @@ def quantize_rows(x, out, mn_out, rng_out, key, bits):  # pragma: no cover - com
     return -1
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit(
+    "int64(float32[:, ::1], int64[::1], uint8[::1], int64[::1], float32[::1], float32[::1], uint32, int64)",
+    cache=True, nogil=True, boundscheck=False,
+)
 def quantize_gather(x, index, flat, offsets, mn_out, rng_out, key, bits):  # pragma: no cover - compiled
     """:func:`quantize_rows` of the rows ``x[index]`` (row ``i`` of the call is ``x[index[i]]``),
     record ``i`` written to ``flat[offsets[i]:]`` (``flat``: 1-D uint8, the whole message)."""
@@ -217,7 +225,7 @@ def _dequantize_row(rec, bits, o, lv, w64, w32, w16, scratch, sbits):  # pragma:
     return True
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit("int64(uint8[:, :], int64, int64, float32[:, :])", cache=True, nogil=True, boundscheck=False)
 def dequantize_rows(records, bits, d, out):  # pragma: no cover - compiled
     """Decodes ``records`` (``[N, 4 + ceil(D b / 8)]`` uint8) into ``out`` (``[N, D]``
     float32, rows may be strided).  Returns ``-1``, or the first row the kernel does not cover
@@ -235,7 +243,10 @@ def dequantize_rows(records, bits, d, out):  # pragma: no cover - compiled
     return -1
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit(
+    "int64(uint8[::1], int64[::1], int64, int64, int64[::1], float32[:, :])",
+    cache=True, nogil=True, boundscheck=False,
+)
 def dequantize_scatter(flat, offsets, bits, d, index, out):  # pragma: no cover - compiled
     """:func:`dequantize_rows` of the records at ``flat[offsets[i]:]`` into ``out[index[i]]``."""
     nbytes = (d * bits + 7) // 8

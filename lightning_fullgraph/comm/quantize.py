@@ -175,6 +175,7 @@ __all__ = [
     "from_bytes",
     "packed_row_nbytes",
     "payload_nbytes",
+    "prepare_codec",
     "quantize",
     "row_nbytes",
     "row_variance",
@@ -582,6 +583,13 @@ def _fused_kernels() -> ModuleType | None:
         )
         return None
     return fused_kernels
+
+
+def prepare_codec(device: torch.device | str) -> bool:
+    """Loads (or, on a first run, compiles) the CPU kernels now, so that no training epoch
+    pays for it; whether ``device``'s messages will use them.  A policy that quantizes calls it
+    at setup (a first compilation takes a few seconds; numba then keeps the kernels on disk)."""
+    return _kernels_for("auto", torch.device(device)) is not None
 
 
 def _check_backend(backend: str) -> None:

@@ -172,3 +172,23 @@ def test_a_mixed_width_message_has_the_same_bytes_on_both_paths(monkeypatch) -> 
     assert torch.equal(fast_rows[3], rows[3])
     step = (rows.amax(1) - rows.amin(1))[:, None] * 1.02 / (2 ** bits.long()[:, None] - 1)
     assert bool(((fast_rows - rows).abs() <= step + 1e-6).all())
+
+
+def test_prepare_codec_loads_the_kernels_for_cpu_messages_only(monkeypatch) -> None:
+    """A quantizing policy calls ``prepare_codec`` at setup: on CPU it loads the compiled
+    kernels (so no epoch compiles them) and says they will run; on another device, or
+    without numba, it says the torch path will.
+
+    Negative control (run): a ``prepare_codec`` that returns True without loading anything
+    leaves the module out of ``sys.modules`` and fails."""
+    loader = Q._fused_kernels
+    loader.cache_clear()
+    monkeypatch.delitem(sys.modules, "lightning_fullgraph.comm.fused_kernels", raising=False)
+    try:
+        assert Q.prepare_codec("cpu") is True
+        assert "lightning_fullgraph.comm.fused_kernels" in sys.modules
+        assert Q.prepare_codec("meta") is False
+        monkeypatch.setattr(Q, "_fused_kernels", lambda: None)
+        assert Q.prepare_codec("cpu") is False
+    finally:
+        loader.cache_clear()

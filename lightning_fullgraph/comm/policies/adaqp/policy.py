@@ -26,7 +26,7 @@ from lightning_fullgraph.comm.policies.adaqp.distributed import (
 from lightning_fullgraph.comm.policies.adaqp.links import NOMINAL_COST, LinkCost, message_range
 from lightning_fullgraph.comm.policies.adaqp.milp import ADAPTIVE_BITS
 from lightning_fullgraph.comm.policies.base import FIXED_BITS, CompressionPolicy, PolicyEnv, check_bits
-from lightning_fullgraph.comm.quantize import META_NBYTES
+from lightning_fullgraph.comm.quantize import META_NBYTES, prepare_codec
 
 __all__ = ["AdaQPPolicy", "QuantizedPolicy"]
 
@@ -87,6 +87,7 @@ class QuantizedPolicy(CompressionPolicy):
         super().setup(env)
         plan = env.plan
         self._generator = torch.Generator(device=env.device).manual_seed(self.seed + plan.rank)
+        prepare_codec(env.device)  # a first compilation of the CPU kernels here, not in an epoch
         self._uniform.clear()
         if self.adaptive and env.fitting and plan.world_size > 1 and self._costs is None:
             w = plan.world_size
