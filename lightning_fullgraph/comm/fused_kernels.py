@@ -43,6 +43,16 @@ _TINY32 = np.float32(np.finfo(np.float32).tiny)
 _CONST_MARK = 0xFF00
 
 
+@numba.njit(cache=True, nogil=True)
+def _row_buffers(nbytes):  # pragma: no cover - compiled
+    """Per-call scratch of a kernel: four float32 words (and their bit patterns), and a row's
+    levels one per byte (8 per packed byte at most; padding levels stay 0) with its views as
+    64-, 32- and 16-bit words."""
+    scratch = np.empty(4, np.float32)
+    lv = np.zeros(nbytes * 8, np.uint8)
+    return scratch, scratch.view(np.int32), lv, lv.view(np.uint64), lv[: nbytes * 4].view(np.uint32), lv[: nbytes * 2].view(np.uint16)
+
+
 @numba.njit(cache=True, nogil=True, boundscheck=False)
 def _quantize_row(row, ri, o, i, key, bits, lv, w64, w32, w16, scratch, sbits, mn_out, rng_out):  # pragma: no cover
     """Row ``i`` of a call (``row``: its float32 values, ``ri`` their bit patterns) into its
@@ -146,12 +156,7 @@ def quantize_rows(x, out, mn_out, rng_out, key, bits):  # pragma: no cover - com
     n, d = x.shape
     xi = x.view(np.int32)
     nbytes = (d * bits + 7) // 8
-    scratch = np.empty(4, np.float32)
-    sbits = scratch.view(np.int32)
-    lv = np.zeros(nbytes * 8, np.uint8)  # padding levels stay 0 (8 levels per byte at most)
-    w64 = lv.view(np.uint64)
-    w32 = lv[: nbytes * 4].view(np.uint32)
-    w16 = lv[: nbytes * 2].view(np.uint16)
+    scratch, sbits, lv, w64, w32, w16 = _row_buffers(nbytes)
     for i in range(n):
         if not _quantize_row(x[i], xi[i], out[i], i, key, bits, lv, w64, w32, w16, scratch, sbits, mn_out, rng_out):
             return i
@@ -169,12 +174,7 @@ def quantize_gather(x, index, flat, offsets, mn_out, rng_out, key, bits):  # pra
     xi = x.view(np.int32)
     nbytes = (d * bits + 7) // 8
     rec = 4 + nbytes
-    scratch = np.empty(4, np.float32)
-    sbits = scratch.view(np.int32)
-    lv = np.zeros(nbytes * 8, np.uint8)
-    w64 = lv.view(np.uint64)
-    w32 = lv[: nbytes * 4].view(np.uint32)
-    w16 = lv[: nbytes * 2].view(np.uint16)
+    scratch, sbits, lv, w64, w32, w16 = _row_buffers(nbytes)
     for i in range(index.shape[0]):
         src = index[i]
         o = flat[offsets[i] : offsets[i] + rec]
@@ -231,12 +231,7 @@ def dequantize_rows(records, bits, d, out):  # pragma: no cover - compiled
     float32, rows may be strided).  Returns ``-1``, or the first row the kernel does not cover
     (an exact constant row or a subnormal step: the caller runs the torch path)."""
     nbytes = records.shape[1] - 4
-    scratch = np.empty(2, np.float32)
-    sbits = scratch.view(np.int32)
-    lv = np.zeros(nbytes * 8, np.uint8)  # the row's levels, one per byte
-    w64 = lv.view(np.uint64)
-    w32 = lv[: nbytes * 4].view(np.uint32)
-    w16 = lv[: nbytes * 2].view(np.uint16)
+    scratch, sbits, lv, w64, w32, w16 = _row_buffers(nbytes)
     for i in range(records.shape[0]):
         if not _dequantize_row(records[i], bits, out[i], lv, w64, w32, w16, scratch, sbits):
             return i
@@ -251,12 +246,7 @@ def dequantize_scatter(flat, offsets, bits, d, index, out):  # pragma: no cover 
     """:func:`dequantize_rows` of the records at ``flat[offsets[i]:]`` into ``out[index[i]]``."""
     nbytes = (d * bits + 7) // 8
     rec = 4 + nbytes
-    scratch = np.empty(2, np.float32)
-    sbits = scratch.view(np.int32)
-    lv = np.zeros(nbytes * 8, np.uint8)
-    w64 = lv.view(np.uint64)
-    w32 = lv[: nbytes * 4].view(np.uint32)
-    w16 = lv[: nbytes * 2].view(np.uint16)
+    scratch, sbits, lv, w64, w32, w16 = _row_buffers(nbytes)
     for i in range(index.shape[0]):
         if not _dequantize_row(flat[offsets[i] : offsets[i] + rec], bits, out[index[i]], lv, w64, w32, w16, scratch, sbits):
             return i
