@@ -52,19 +52,6 @@ __all__ = [
 BIT_CHOICES = SUPPORTED_BITS
 
 
-def _counts_by_bits(bits: Tensor, counts: list[int]) -> dict[int, list[int]]:
-    """Rows of every (peer, bit-width): ``{b: [rows of peer 0 at b, rows of peer 1 at b, ...]}``."""
-    peer = torch.repeat_interleave(
-        torch.arange(len(counts), device=bits.device), torch.tensor(counts, device=bits.device)
-    )
-    out: dict[int, list[int]] = {}
-    for b in BIT_CHOICES:
-        mask = bits == b
-        if bool(mask.any()):
-            out[b] = torch.bincount(peer[mask], minlength=len(counts)).tolist()
-    return out
-
-
 def message_nbytes(bits: Tensor, counts: list[int], row_len: int) -> list[int]:
     """Bytes of the message to each peer. ``bits``: ``[sum(counts)]`` per-row bit-widths."""
     return message_layout(bits, counts, row_len).nbytes
@@ -99,21 +86,25 @@ class MessageLayout:
 def message_layout(bits: Tensor, counts: list[int], row_len: int) -> MessageLayout:
     """The :class:`MessageLayout` of ``sum(counts)`` rows of ``row_len`` values whose
     bit-widths are ``bits`` (``[sum(counts)]``), ``counts[p]`` rows for peer ``p``."""
-    widths = _counts_by_bits(bits, counts)
-    index = {b: (bits == b).nonzero().flatten() for b in widths}
-    nbytes = [0] * len(counts)
-    for b, per_peer in widths.items():
-        size = row_nbytes(row_len, b)
-        for p, c in enumerate(per_peer):
-            nbytes[p] += c * size
+    # the peer of every row, then per width its rows, their count per peer and their offsets
+    peer = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.long))
+    widths: dict[int, list[int]] = {}
+    index: dict[int, Tensor] = {}
+    for b in BIT_CHOICES:
+        idx = (bits == b).nonzero().flatten()
+        if idx.numel():
+            index[b] = idx
+            widths[b] = torch.bincount(peer[idx.cpu()], minlength=len(counts)).tolist()
     # byte offset of every (peer, width) block: peers in order, widths ascending in each
     start: dict[int, list[int]] = {b: [0] * len(counts) for b in widths}
+    nbytes = [0] * len(counts)
     at = 0
     for p in range(len(counts)):
-        for b in sorted(widths):
+        peer_start = at
+        for b in widths:  # ascending, as BIT_CHOICES is
             start[b][p] = at
             at += widths[b][p] * row_nbytes(row_len, b)
-    peer = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.long))
+        nbytes[p] = at - peer_start
     offsets: dict[int, Tensor] = {}
     for b, idx in index.items():
         per_peer = torch.tensor(widths[b], dtype=torch.long)

@@ -558,7 +558,7 @@ def dither_hash(index: Tensor, key: int) -> Tensor:
         ``int32`` tensor of ``index``'s shape, values in ``[0, 2^16)``; for a uniform random
         ``key`` each value is exactly uniform there.
     """
-    h = (index.to(torch.int64) & 0xFFFFFFFF).sub_(1 << 32).to(torch.int32)  # mod 2^32, as int32
+    h = index.to(torch.int64).to(torch.int32)  # mod 2^32 (the narrowing cast wraps)
     key_t = torch.tensor(_as_int32(key), dtype=torch.int32, device=index.device)
     return _hash_(h, key_t, torch.empty_like(h))
 
