@@ -81,8 +81,8 @@ def test_rows_the_kernels_leave_to_torch_still_raise_or_decode() -> None:
     """Non-finite rows and grids out of range raise as on the torch path (the kernel hands the
     call back); subnormal rows come back within a step.
 
-    Negative control (run): a kernel that does not report NaN rows writes a record and
-    ``quantize`` returns instead of raising."""
+    Negative control (run): a kernel that reports neither non-finite rows nor grids out of
+    range writes their records and ``quantize`` returns instead of raising."""
     x = torch.randn(20, 8, generator=torch.Generator().manual_seed(0))
     x[13, 2] = float("nan")
     with pytest.raises(ValueError, match="row 13"):
