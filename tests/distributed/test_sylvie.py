@@ -149,8 +149,10 @@ def test_epoch_adaptive_rule_with_a_rank_without_training_nodes(tmp_path) -> Non
     ``comm/global_loss`` is never logged (non-finite figures are skipped)."""
     data = without_training_nodes_on_last_rank(directed_graph(seed=5), 3)
     # (the adaptor reads rates from epoch 9 on; a window of 2 reacts to one slower epoch.
-    # Epochs that get slower by design make the loss's rate per second fall whatever the
-    # machine's timing noise: with free-running epochs the rule saw no slowdown in 1 run of 6)
+    # Epochs whose time doubles by design make the loss's rate per second fall whatever the
+    # machine's timing noise: with free-running epochs the rule saw no slowdown in 1 run of 6,
+    # and with 20 ms more per epoch (about 10 % at epoch 9) it saw none in 1 CI run: the
+    # smoothed loss's decrease itself grows by about 6 % per epoch there)
     trainer = cpu_trainer(3, max_epochs=14, callbacks=[_RecordAdaptive()], strategy_kwargs={
         "mode": "sylvie", **PIPELINED, "staleness": 3, "smoothing": 0.9, "epoch_adaptive": True,
         "adaptive_window": 2})
@@ -166,11 +168,13 @@ class _MeanLoss(NodeClassifier):
 
 
 class _SlowingMeanLoss(_MeanLoss):
-    """:class:`_MeanLoss` whose training step takes 20 ms longer every epoch (inside the
-    forward + backward time the adaptor divides by)."""
+    """:class:`_MeanLoss` whose training step from epoch 8 on sleeps twice as long as the
+    epoch before (50 ms at epoch 8, 1.6 s at epoch 13; inside the forward + backward time the
+    adaptor divides by), so each rate it reads is well under the one before."""
 
     def training_step(self, batch, batch_idx):
-        time.sleep(0.02 * self.current_epoch)
+        if self.current_epoch >= 8:
+            time.sleep(0.05 * 2 ** (self.current_epoch - 8))
         return super().training_step(batch, batch_idx)
 
 
