@@ -57,6 +57,8 @@ MODES: dict[str, dict[str, Any]] = {
     "sylvie-pipelined": {"mode": "sylvie", "max_halo_share": 1.0, "guard": False},
     # Sylvie's Bounded Staleness Adaptor on top of the defaults (a candidate default)
     "sylvie-adaptive": {"mode": "sylvie", "epoch_adaptive": True},
+    # two bits instead of one (a candidate default above max_halo_share)
+    "sylvie-2bit": {"mode": "sylvie", "bits": 2},
 }
 FANOUTS = [15, 10, 5]
 
