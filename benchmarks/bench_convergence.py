@@ -78,6 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--peer-threads", type=int, default=2)
     p.add_argument("--no-peers", action="store_true")
+    p.add_argument("--no-minibatch", action="store_true", help="run the full-graph peer only")
     p.add_argument("--name", default="convergence")
     p.add_argument("--out-dir", default=str(BENCH_DIR / "results"))
     p.add_argument("--cache-dir", default=str(BENCH_DIR / ".cache"))
@@ -341,6 +342,9 @@ def render(result: dict[str, Any], out: Path) -> None:
                          f"{f(r['mb_per_epoch'], '.2f')} |")
         if g.get("minibatch_skipped"):
             lines += ["", f"mini-batch peer not run: {g['minibatch_skipped']}"]
+        if g.get("peers_from"):
+            # the peers run no package code: a run may reuse those of an earlier one
+            lines += ["", f"peers' runs taken from {g['peers_from']}"]
         lines.append("")
     out.with_suffix(".md").write_text("\n".join(lines))
     try:
@@ -377,7 +381,7 @@ def peers(entry: dict[str, Any], data, metric: str, args: argparse.Namespace, se
     if "peer-fullgraph" not in runs:
         runs["peer-fullgraph"] = [run_full_peer(data, metric, args.epochs, args.peer_threads, s, args.hidden,
                                                 args.layers) for s in seeds]
-    why = minibatch_unavailable()
+    why = "--no-minibatch was given" if args.no_minibatch else minibatch_unavailable()
     if why is None:
         runs["peer-minibatch"] = [run_minibatch_peer(data, metric, args.epochs, args.peer_threads, s, args.hidden,
                                                      args.layers) for s in seeds]

@@ -469,3 +469,57 @@ def test_quantizer_speed_reports_each_direction_against_the_copy_and_the_torch_p
     for r in rows:
         assert len(r) == 10 and all(float(v) > 0 for v in r[1:8])
         assert int(r[8]) == (4 + 64 * int(r[0]) // 8)
+
+
+def _epochs(vals: list[float], seconds: float) -> dict:
+    return {"epochs": [{"epoch": i, "train_s": seconds, "val": v} for i, v in enumerate(vals)]}
+
+
+def test_convergence_summary_counts_time_to_target_over_the_seeds_that_reach_it(tmp_path) -> None:
+    """Target = mean over seeds of exact's best - gap; a mode's epochs and seconds to target are
+    means over the seeds that reached it, ``reached`` says how many; the report names where
+    reused peers' runs came from.
+
+    Negative controls: counting a seed that never reached the target as the budget (or as 0)
+    changes ``epochs_to_target`` from 2.0; dropping the ``peers_from`` line from ``render``
+    fails the last assertion."""
+    conv = _load("bench_convergence")
+    runs = {
+        "exact": [_epochs([0.5, 0.8, 0.9], 2.0), _epochs([0.5, 0.7, 0.9], 2.0)],
+        "sylvie": [_epochs([0.6, 0.89, 0.895], 0.5), _epochs([0.6, 0.7, 0.8], 0.5)],
+    }
+    summary = conv.summarize(runs, 0.05)
+    assert summary["target"] == pytest.approx(0.85)
+    exact, sylvie = summary["modes"]["exact"], summary["modes"]["sylvie"]
+    assert (exact["epochs_to_target"], exact["reached"]) == (3.0, 2)
+    assert (sylvie["epochs_to_target"], sylvie["reached"], sylvie["seeds"]) == (2.0, 1, 2)
+    assert sylvie["seconds_to_target"] == pytest.approx(1.0)
+    assert sylvie["speedup_vs_exact"] == pytest.approx(6.0)
+    result = {"created": "now", "command": "c", "ranks": 4, "link": "none", "layers": 3, "hidden": 8,
+              "epochs": 3, "seeds": [0, 1], "target_gap": 0.05,
+              "graphs": [{"graph": "g", "metric": "accuracy", "halo_share": 0.5, "runs": runs, "summary": summary,
+                          "peers_from": "an earlier file"}]}
+    conv.render(result, tmp_path / "r.json")
+    report = (tmp_path / "r.md").read_text()
+    assert "| sylvie | 0.8475 |" in report and "2.0 (1/2)" in report
+    assert "peers' runs taken from an earlier file" in report
+
+
+def test_convergence_no_minibatch_runs_the_full_graph_peer_only(monkeypatch) -> None:
+    """``--no-minibatch`` runs the full-graph peer and records why the mini-batch one did not run.
+
+    Negative control: ignoring the flag calls the mini-batch peer (here: fails the test)."""
+    conv = _load("bench_convergence")
+    calls = []
+    monkeypatch.setattr(conv, "run_full_peer", lambda *a: calls.append("full") or _epochs([0.1], 1.0))
+    monkeypatch.setattr(conv, "minibatch_unavailable", lambda: None)
+
+    def minibatch(*a):
+        raise AssertionError("the mini-batch peer ran")
+
+    monkeypatch.setattr(conv, "run_minibatch_peer", minibatch)
+    args = conv.parse_args(["--no-minibatch"])
+    entry = {"runs": {}}
+    conv.peers(entry, None, "accuracy", args, [0])
+    assert calls == ["full"] and list(entry["runs"]) == ["peer-fullgraph"]
+    assert "--no-minibatch" in entry["minibatch_skipped"]
