@@ -90,11 +90,13 @@ def message_layout(bits: Tensor, counts: list[int], row_len: int) -> MessageLayo
     peer = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.long))
     widths: dict[int, list[int]] = {}
     index: dict[int, Tensor] = {}
+    owners: dict[int, Tensor] = {}
     for b in BIT_CHOICES:
         idx = (bits == b).nonzero().flatten()
         if idx.numel():
             index[b] = idx
-            widths[b] = torch.bincount(peer[idx.cpu()], minlength=len(counts)).tolist()
+            owners[b] = peer[idx.cpu()]
+            widths[b] = torch.bincount(owners[b], minlength=len(counts)).tolist()
     # byte offset of every (peer, width) block: peers in order, widths ascending in each
     start: dict[int, list[int]] = {b: [0] * len(counts) for b in widths}
     nbytes = [0] * len(counts)
@@ -109,7 +111,7 @@ def message_layout(bits: Tensor, counts: list[int], row_len: int) -> MessageLayo
     for b, idx in index.items():
         per_peer = torch.tensor(widths[b], dtype=torch.long)
         first = torch.cumsum(per_peer, 0) - per_peer  # position of each peer's first row at b
-        owner = peer[idx.cpu()]
+        owner = owners[b]
         rank = torch.arange(idx.numel()) - first[owner]  # the row's place in its block
         offsets[b] = (torch.tensor(start[b], dtype=torch.long)[owner] + rank * row_nbytes(row_len, b)).to(bits.device)
     payload = sum(b * sum(per_peer) for b, per_peer in widths.items()) * row_len
