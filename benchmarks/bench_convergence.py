@@ -55,8 +55,10 @@ MODES: dict[str, dict[str, Any]] = {
     "adaqp": {"mode": "adaqp"},
     "sylvie": {"mode": "sylvie"},
     "sylvie-pipelined": {"mode": "sylvie", "max_halo_share": 1.0, "guard": False},
-    # Sylvie's Bounded Staleness Adaptor on top of the defaults (a candidate default)
+    # the seed's Bounded Staleness Adaptor (rate per second) whatever the halo share
     "sylvie-adaptive": {"mode": "sylvie", "epoch_adaptive": True},
+    # the defaults before epoch_adaptive="auto": fixed bits (synchronous 1-bit above max_halo_share)
+    "sylvie-fixed": {"mode": "sylvie", "epoch_adaptive": False},
     # two bits instead of one (a candidate default above max_halo_share)
     "sylvie-2bit": {"mode": "sylvie", "bits": 2},
 }

@@ -106,7 +106,10 @@ class FullGraphStrategy(DDPStrategy):
         smoothing: PipeGCN momentum ``gamma`` for stale values (sylvie; ``None``: off).
         smooth: ``"features"``, ``"gradients"`` or ``"both"`` (what smoothing applies to).
         epoch_adaptive: Sylvie's Bounded Staleness Adaptor on the global training loss's rate
-            of decrease per second (see :class:`~lightning_fullgraph.comm.policies.sylvie.policy.SylviePolicy`).
+            of decrease: ``True``/``"second"`` per second (the seed), ``"epoch"`` per epoch
+            (reproducible), ``"auto"`` (sylvie default: per epoch where the halo share is at or
+            above ``max_halo_share``, else off), ``False`` off (see
+            :class:`~lightning_fullgraph.comm.policies.sylvie.policy.SylviePolicy`).
         adaptive_window: Epochs of monotone slowdown / speed-up the adaptor waits for.
         guard: Sylvie's divergence guard (default 0.1): after an epoch on stale values, a
             global training loss above its best by more than ``guard`` times the larger of the
@@ -175,7 +178,7 @@ class FullGraphStrategy(DDPStrategy):
         staleness: int | None = None,
         smoothing: float | None = None,
         smooth: Literal["features", "gradients", "both"] | None = None,
-        epoch_adaptive: bool | None = None,
+        epoch_adaptive: bool | Literal["second", "epoch", "auto"] | None = None,
         adaptive_window: int | None = None,
         guard: float | bool | None = None,
         guard_cooldown: int | None = None,

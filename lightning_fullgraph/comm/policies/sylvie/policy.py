@@ -22,6 +22,9 @@ from lightning_fullgraph.comm.policies.sylvie.rules import DivergenceGuard, Loss
 
 __all__ = ["SylviePolicy"]
 
+# what ``epoch_adaptive`` accepts, and the rate each reads
+ADAPTIVE_RATES: dict[bool | str, str] = {True: "second", "second": "second", "epoch": "epoch", "auto": "auto"}
+
 
 class SylviePolicy(QuantizedPolicy):
     r"""Sylvie (arXiv 2303.01277): low-bit messages over a bounded-staleness pipeline.
@@ -43,10 +46,16 @@ class SylviePolicy(QuantizedPolicy):
         smooth: ``"features"``, ``"gradients"`` or ``"both"``.
         epoch_adaptive: Sylvie's Bounded Staleness Adaptor
             (:class:`~lightning_fullgraph.comm.policies.sylvie.rules.LossRateAdaptor`): on a monotone
-            slowdown of the smoothed global loss's decrease per second over
-            ``adaptive_window`` epochs (from epoch 9), double the bits (at most 8) and turn the
-            pipeline off; on a monotone speed-up halve them (at least 1) and turn it back on.
-            Decided at the end of epoch :math:`t`, applied from :math:`t+1`.
+            slowdown of the smoothed global loss's decrease over ``adaptive_window`` epochs (from
+            epoch 9), double the bits (at most 8) and turn the pipeline off; on a monotone
+            speed-up halve them (at least 1) and turn it back on (not above ``max_halo_share``).
+            Decided at the end of epoch :math:`t`, applied from :math:`t+1`.  ``True`` or
+            ``"second"``: the seed's rule, on the decrease per second of training (two runs with
+            the same seed can decide differently); ``"epoch"``: on the decrease per epoch
+            (reproducible); ``"auto"`` (default): ``"epoch"`` where the halo share is at or above
+            ``max_halo_share`` (every epoch synchronous: the raised bits are what buys back
+            one-bit messages' accuracy there), off otherwise and with non-fixed ``bits``;
+            ``False``: off.
         adaptive_window: The adaptor's window of epochs (``>= 2``).
         guard: Divergence guard (:class:`~lightning_fullgraph.comm.policies.sylvie.rules.
             DivergenceGuard`): after an epoch on stale values, a global training loss above its
@@ -76,7 +85,7 @@ class SylviePolicy(QuantizedPolicy):
         staleness: int = 5,
         smoothing: float | None = None,
         smooth: str = "both",
-        epoch_adaptive: bool = False,
+        epoch_adaptive: bool | str = "auto",
         adaptive_window: int = 5,
         guard: float | bool | None = 0.1,
         guard_cooldown: int = 10,
@@ -89,7 +98,12 @@ class SylviePolicy(QuantizedPolicy):
         seed: int = 0,
     ) -> None:
         check_bits(bits, ("adaptive", *FIXED_BITS, 32), "SylviePolicy")
-        if epoch_adaptive and bits not in FIXED_BITS:
+        rate = ADAPTIVE_RATES.get(epoch_adaptive) if isinstance(epoch_adaptive, (bool, str)) else None
+        if rate is None and epoch_adaptive not in (False, None):
+            raise ValueError(
+                f"epoch_adaptive must be one of False, True, 'second', 'epoch', 'auto'; got {epoch_adaptive!r}"
+            )
+        if rate in ("second", "epoch") and bits not in FIXED_BITS:
             raise ValueError(
                 f"epoch_adaptive doubles and halves a fixed bit-width (1, 2, 4 or 8); got bits={bits!r}"
             )
@@ -97,8 +111,13 @@ class SylviePolicy(QuantizedPolicy):
         self._state = StalenessState(staleness, smoothing, smooth)
         # whether this epoch sends its rows for the next one (decided with ``synchronous``)
         self.launch = False
-        self.epoch_adaptive = bool(epoch_adaptive)
-        self.adaptor = LossRateAdaptor(window=adaptive_window) if self.epoch_adaptive else None
+        # the setting as given ("auto" decides at setup, from the halo share)
+        self.adaptive_rate: str | None = rate if bits in FIXED_BITS else None
+        self.adaptor = (
+            LossRateAdaptor(window=adaptive_window, per="epoch" if rate == "auto" else rate)
+            if self.adaptive_rate is not None
+            else None
+        )
         if not 0.0 < max_halo_share <= 1.0:
             raise ValueError(f"max_halo_share must lie in (0, 1], got {max_halo_share!r}")
         self.max_halo_share = float(max_halo_share)
@@ -133,6 +152,11 @@ class SylviePolicy(QuantizedPolicy):
         return Pending(lambda: halo)
 
     @property
+    def epoch_adaptive(self) -> bool:
+        """Whether the Bounded Staleness Adaptor runs (``"auto"`` is settled at setup)."""
+        return self.adaptor is not None
+
+    @property
     def needs_global_loss(self) -> bool:
         return self.epoch_adaptive or self.guard is not None
 
@@ -142,12 +166,19 @@ class SylviePolicy(QuantizedPolicy):
         self.halo_share = env.halo_share
         # the share limit binds the adaptor too: it may change bits, not restart the pipeline
         self.pipeline_allowed = not (self.max_halo_share < 1.0 and env.halo_share >= self.max_halo_share)
+        if self.adaptive_rate == "auto" and self.pipeline_allowed:
+            self.adaptor = None
         if env.fitting and not self.pipeline_allowed:
             self.pipelined = False
+            adapting = (
+                "; the bits double when the loss's decrease per epoch slows (epoch_adaptive='auto')"
+                if self.adaptive_rate == "auto" and self.adaptor is not None
+                else ""
+            )
             rank_zero_warn(
                 f"sylvie: halo rows are {100 * env.halo_share:.0f}% of the aggregation inputs (>= "
                 f"max_halo_share={self.max_halo_share:g}), where the stale pipeline diverges; every epoch "
-                f"runs synchronous at {self.bits} bit(s). Set max_halo_share=1.0 to pipeline anyway"
+                f"runs synchronous at {self.bits} bit(s){adapting}. Set max_halo_share=1.0 to pipeline anyway"
             )
 
     def is_sync(self, epoch: int) -> bool:
@@ -203,7 +234,7 @@ class SylviePolicy(QuantizedPolicy):
                 self.uniform_bits, self.pipelined = max(1, self.uniform_bits // 2), self.pipeline_allowed
             if change is not None:
                 rank_zero_info(
-                    f"sylvie: the loss's decrease per second {'slowed' if change == 'slower' else 'sped up'} "
+                    f"sylvie: the loss's decrease per {self.adaptor.per} {'slowed' if change == 'slower' else 'sped up'} "
                     f"for {self.adaptor.window} epochs; from epoch {epoch + 1}: {self.uniform_bits} bits, "
                     f"pipeline {'on' if self.pipelined else 'off'}"
                 )
@@ -262,9 +293,10 @@ class SylviePolicy(QuantizedPolicy):
         out = super().settings()
         st = self._state
         out.update(staleness=st.staleness, smoothing=st.smoothing, smooth=st.smooth)
-        if self.epoch_adaptive:
-            assert self.adaptor is not None
-            out.update(epoch_adaptive=True, adaptive_window=self.adaptor.window)
+        if self.adaptor is not None:
+            out.update(epoch_adaptive=self.adaptor.per, adaptive_window=self.adaptor.window)
+        elif self.adaptive_rate == "auto":
+            out.update(epoch_adaptive="auto")
         if self.guard is not None:
             out.update(guard=self.guard.tolerance, guard_cooldown=self.guard.cooldown)
         out.update(max_halo_share=self.max_halo_share)

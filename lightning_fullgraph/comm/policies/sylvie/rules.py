@@ -24,6 +24,10 @@ decides the same) and steer :class:`~lightning_fullgraph.comm.policies.sylvie.po
   rates fall strictly (a monotone slowdown) the bits double and the pipeline turns off
   (synchronous epochs); when they rise strictly (a monotone speed-up) the bits halve and the
   pipeline turns back on; otherwise nothing changes.  After a change the window starts over.
+  ``per="epoch"`` reads the decrease per epoch instead, :math:`r_t = \bar L_{t-1} - \bar L_t`:
+  the same rule on the loss alone, so two runs with the same seed decide the same (wall-clock
+  noise decides nothing), at the cost of the seed's time trade-off (a raised bit-width that
+  lengthens the epoch does not by itself read as a slowdown).
 
 Both are plain state (numbers and lists) that round-trips through ``state_dict``.
 """
@@ -144,6 +148,8 @@ class LossRateAdaptor:
         start: First epoch whose rate counts (the seed starts at epoch 9: early epochs fall fast
             whatever the setting).
         momentum: :math:`m` of the loss's exponential moving average, in ``[0, 1)``.
+        per: ``"second"`` (the seed: the decrease per second of training) or ``"epoch"`` (per
+            epoch: reproducible).
 
     :meth:`observe` returns ``"slower"`` (double the bits, pipeline off), ``"faster"`` (halve
     them, pipeline on) or ``None``.
@@ -152,6 +158,7 @@ class LossRateAdaptor:
     window: int = 5
     start: int = 9
     momentum: float = 0.9
+    per: str = "second"
     smoothed: float | None = None
     rates: list[float] = field(default_factory=list)
 
@@ -160,13 +167,18 @@ class LossRateAdaptor:
             raise ValueError(f"adaptive_window must be an int >= 2, got {self.window!r}")
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"the loss momentum must lie in [0, 1), got {self.momentum!r}")
+        if self.per not in ("second", "epoch"):
+            raise ValueError(f"the adaptor reads the loss's decrease per 'second' or per 'epoch', got {self.per!r}")
 
     def observe(self, epoch: int, loss: float, seconds: float) -> str | None:
-        """Reads epoch ``epoch``'s global loss and its training time in seconds (> 0)."""
+        """Reads epoch ``epoch``'s global loss and its training time in seconds (> 0; unused
+        with ``per="epoch"``)."""
         if not math.isfinite(loss):
             return None
         previous = self.smoothed
         self.smoothed = loss if previous is None else self.momentum * previous + (1.0 - self.momentum) * loss
+        if self.per == "epoch":
+            seconds = 1.0
         if previous is None or epoch < self.start or not seconds > 0:
             return None
         self.rates.append((previous - self.smoothed) / seconds)
