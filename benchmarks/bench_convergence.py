@@ -78,6 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nodes", type=int, default=1_000_000, help="products-like nodes")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--weight-decay", type=float, default=0.0, help="Adam's weight decay (every run and peer)")
     p.add_argument("--peer-threads", type=int, default=2)
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--no-minibatch", action="store_true", help="run the full-graph peer only")
@@ -175,6 +176,7 @@ def run_worker(spec: dict[str, Any]) -> None:
     num_classes = int(data.y.max()) + 1
     model = GNNNodeClassifier(conv="gcn", in_channels=data.num_features, num_classes=num_classes,
                               hidden_channels=spec["hidden"], num_layers=spec["layers"], dropout=0.5, lr=0.01,
+                              weight_decay=spec.get("weight_decay", 0.0),
                               metric=metric)
     dm = FullGraphDataModule(data, num_parts=spec["ranks"], cache_dir=spec["cache_dir"] + "/convergence-parts")
     kwargs = dict(MODES[spec["mode"]])
@@ -202,13 +204,15 @@ def merge_ranks(out_dir: Path, ranks: int) -> dict[str, Any]:
 
 
 # -- the peers (one process) -------------------------------------------------------------
-def run_full_peer(data, metric: str, epochs: int, threads: int, seed: int, hidden: int, layers: int) -> dict[str, Any]:
+def run_full_peer(data, metric: str, epochs: int, threads: int, seed: int, hidden: int, layers: int,
+                  weight_decay: float = 0.0) -> dict[str, Any]:
     import torch
     from peer import adjacency_t, build_model, train_epoch
 
     torch.set_num_threads(threads)
     graph = adjacency_t(data.edge_index, data.num_nodes)
-    model = build_model("gcn", data.num_features, int(data.y.max()) + 1, hidden, layers, seed=seed)
+    model = build_model("gcn", data.num_features, int(data.y.max()) + 1, hidden, layers, seed=seed,
+                        weight_decay=weight_decay)
     model.hparams.metric = metric
     optimizer = model.configure_optimizers()
     rows = []
@@ -247,6 +251,7 @@ def minibatch_unavailable() -> str | None:
 
 
 def run_minibatch_peer(data, metric: str, epochs: int, threads: int, seed: int, hidden: int, layers: int,
+                       weight_decay: float = 0.0,
                        batch_size: int = 1024) -> dict[str, Any]:
     import torch
     from peer import adjacency_t, build_model
@@ -254,7 +259,8 @@ def run_minibatch_peer(data, metric: str, epochs: int, threads: int, seed: int, 
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    model = build_model("gcn", data.num_features, int(data.y.max()) + 1, hidden, layers, seed=seed)
+    model = build_model("gcn", data.num_features, int(data.y.max()) + 1, hidden, layers, seed=seed,
+                        weight_decay=weight_decay)
     optimizer = model.configure_optimizers()
     loader = NeighborLoader(data, num_neighbors=FANOUTS[:layers] + [FANOUTS[-1]] * max(0, layers - len(FANOUTS)),
                             input_nodes=data.train_mask, batch_size=batch_size, shuffle=True)
@@ -320,9 +326,10 @@ def summarize(runs: dict[str, list[dict[str, Any]]], gap: float) -> dict[str, An
 
 
 def render(result: dict[str, Any], out: Path) -> None:
+    decay = f", weight decay {result['weight_decay']:g}" if result.get("weight_decay") else ""
     lines = [f"# Time to accuracy ({result['created']})", "",
              f"`{result['command']}`", "",
-             f"{result['ranks']} ranks, link {result['link']}, GCN {result['layers']} x {result['hidden']}, Adam 0.01, "
+             f"{result['ranks']} ranks, link {result['link']}, GCN {result['layers']} x {result['hidden']}, Adam 0.01{decay}, "
              f"dropout 0.5, budget {result['epochs']} epochs, seeds {result['seeds']}; target = exact's best - "
              f"{100 * result['target_gap']:.1f} pt (mean over seeds); epochs and seconds to target are means over "
              "the seeds that reached it (how many in brackets); seconds = training steps only (slowest rank), "
@@ -382,11 +389,11 @@ def peers(entry: dict[str, Any], data, metric: str, args: argparse.Namespace, se
     runs = entry["runs"]
     if "peer-fullgraph" not in runs:
         runs["peer-fullgraph"] = [run_full_peer(data, metric, args.epochs, args.peer_threads, s, args.hidden,
-                                                args.layers) for s in seeds]
+                                                args.layers, args.weight_decay) for s in seeds]
     why = "--no-minibatch was given" if args.no_minibatch else minibatch_unavailable()
     if why is None:
         runs["peer-minibatch"] = [run_minibatch_peer(data, metric, args.epochs, args.peer_threads, s, args.hidden,
-                                                     args.layers) for s in seeds]
+                                                     args.layers, args.weight_decay) for s in seeds]
         entry.pop("minibatch_skipped", None)
     else:
         entry["minibatch_skipped"] = why
@@ -396,6 +403,7 @@ def add_peers(args: argparse.Namespace, path: Path) -> int:
     """Runs the peers for every graph of a results file, with its budget and seeds."""
     result = json.loads(path.read_text())
     args.epochs, args.hidden, args.layers = result["epochs"], result["hidden"], result["layers"]
+    args.weight_decay = result.get("weight_decay", 0.0)
     for entry in result["graphs"]:
         data, metric = load_graph(entry["graph"], args.nodes, Path(args.cache_dir))
         peers(entry, data, metric, args, result["seeds"])
@@ -431,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         "created": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(["python benchmarks/run.py --convergence",
                                                                            *(argv if argv is not None else sys.argv[1:])]),
         "ranks": args.ranks, "link": args.link, "epochs": args.epochs, "seeds": seeds, "hidden": args.hidden,
-        "layers": args.layers, "target_gap": args.target_gap, "graphs": [],
+        "layers": args.layers, "weight_decay": args.weight_decay, "target_gap": args.target_gap, "graphs": [],
     }
     for graph in [g for g in args.graphs.split(",") if g]:
         data, metric = load_graph(graph, args.nodes, cache)
@@ -445,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
             for seed in seeds:
                 work = Path(tempfile.mkdtemp(prefix=f"conv-{graph}-{mode}-"))
                 spec = {"graph": graph, "nodes": args.nodes, "mode": mode, "seed": seed, "ranks": args.ranks,
-                        "epochs": args.epochs, "hidden": args.hidden, "layers": args.layers, "link": args.link,
+                        "epochs": args.epochs, "hidden": args.hidden, "layers": args.layers,
+                        "weight_decay": args.weight_decay, "link": args.link,
                         "cache_dir": str(cache), "out_dir": str(work)}
                 (work / "spec.json").write_text(json.dumps(spec))
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(work / "spec.json")]

@@ -69,7 +69,7 @@ def graph_input(edge_index, num_nodes: int, variant: str):
 
 
 def build_model(conv: str, in_channels: int, num_classes: int, hidden: int, layers: int, dropout: float = 0.5,
-                lr: float = 0.01, seed: int = 0):
+                lr: float = 0.01, seed: int = 0, weight_decay: float = 0.0):
     """The distributed runs' model, with the same initial weights for the same seed."""
     import lightning.pytorch as pl
 
@@ -77,7 +77,7 @@ def build_model(conv: str, in_channels: int, num_classes: int, hidden: int, laye
 
     pl.seed_everything(seed, verbose=False)
     return GNNNodeClassifier(conv=conv, in_channels=in_channels, num_classes=num_classes, hidden_channels=hidden,
-                             num_layers=layers, dropout=dropout, lr=lr)
+                             num_layers=layers, dropout=dropout, lr=lr, weight_decay=weight_decay)
 
 
 def set_cached(model) -> int:

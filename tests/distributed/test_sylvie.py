@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 import threading
 import time
@@ -176,6 +177,76 @@ class _SlowingMeanLoss(_MeanLoss):
         if self.current_epoch >= 8:
             time.sleep(0.05 * 2 ** (self.current_epoch - 8))
         return super().training_step(batch, batch_idx)
+
+
+class _RecordBits(pl.Callback):
+    """Rank 0 writes ``comm/bits`` and ``comm/sync_epoch`` of every epoch to ``path``."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+        self.seen: list[tuple[float, float]] = []
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        m = trainer.callback_metrics
+        self.seen.append((float(m["comm/bits"]), float(m["comm/sync_epoch"])))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        assert trainer.strategy.halo_share >= 0.2, trainer.strategy.halo_share  # above max_halo_share
+        if trainer.global_rank == 0:
+            self.path.write_text(json.dumps(self.seen))
+
+
+class _SlowingClassifier(NodeClassifier):
+    """:class:`NodeClassifier` whose training step from epoch 8 on sleeps twice as long as the
+    epoch before (the loss's decrease per second then falls whatever the loss does)."""
+
+    def training_step(self, batch, batch_idx):
+        if self.current_epoch >= 8:
+            time.sleep(0.05 * 2 ** (self.current_epoch - 8))
+        return super().training_step(batch, batch_idx)
+
+
+def _fit_default_sylvie(tmp_path, name: str, model_class, **settings) -> tuple[list, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = model_class(conv="sage", num_layers=3, optimizer="adam", lr=0.01)
+    record = tmp_path / f"{name}.txt"
+    trainer = cpu_trainer(3, max_epochs=16, callbacks=[_RecordBits(record)],
+                          strategy_kwargs={"mode": "sylvie", "adaptive_window": 2, **settings})
+    trainer.fit(model, datamodule=FullGraphDataModule(directed_graph(seed=5), cache_dir=tmp_path / "parts"))
+    return [tuple(e) for e in json.loads(record.read_text())], {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.timeout(240)
+def test_default_adaptor_above_the_halo_share_limit_is_reproducible(tmp_path) -> None:
+    """With the defaults (``epoch_adaptive="auto"``) above ``max_halo_share`` the adaptor
+    reads the loss's decrease per epoch: it raises the bits when the loss flattens, every epoch
+    stays synchronous, and a run whose epochs take longer and longer decides the same epochs
+    and reaches bit for bit the same weights.
+
+    Negative controls: resolving ``"auto"`` to off above the share keeps the bits at 1 (the
+    first assertion fails); reading the decrease per second (``epoch_adaptive=True``) makes the
+    slowed run raise its bits at other epochs than the free one (the third assertion fails:
+    run ``test_seed_rule_reads_wall_clock_time`` below)."""
+    free, free_weights = _fit_default_sylvie(tmp_path, "free", NodeClassifier)
+    slowed, slowed_weights = _fit_default_sylvie(tmp_path, "slowed", _SlowingClassifier)
+    assert max(bits for bits, _ in free) > 1.0, free
+    assert all(sync == 1.0 for _, sync in free), free
+    assert slowed == free
+    for key in free_weights:
+        torch.testing.assert_close(slowed_weights[key], free_weights[key], rtol=0, atol=0)
+
+
+@pytest.mark.timeout(240)
+def test_seed_rule_reads_wall_clock_time(tmp_path) -> None:
+    """The negative control of the test above, kept as a test: the seed's rule
+    (``epoch_adaptive=True``, the decrease per second) sees the slowed run's doubling epochs as
+    a slowdown and raises its bits at other epochs than the free run's.
+
+    Negative control: passing ``seconds=1`` to the seed's rule (as ``"epoch"`` does) makes the
+    two schedules equal."""
+    free, _ = _fit_default_sylvie(tmp_path, "free", NodeClassifier, epoch_adaptive=True)
+    slowed, _ = _fit_default_sylvie(tmp_path, "slowed", _SlowingClassifier, epoch_adaptive=True)
+    assert [bits for bits, _ in slowed] != [bits for bits, _ in free], (free, slowed)
 
 
 @pytest.mark.timeout(180)

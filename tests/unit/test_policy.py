@@ -49,6 +49,8 @@ def _env(plan: HaloPlan, final_epoch: int | None = None) -> PolicyEnv:
         (SylviePolicy, {"guard_cooldown": 0}, "guard_cooldown"),
         (SylviePolicy, {"max_halo_share": 0.0}, "max_halo_share"),
         (SylviePolicy, {"epoch_adaptive": True, "adaptive_window": 1}, "adaptive_window"),
+        (SylviePolicy, {"epoch_adaptive": "sometimes"}, "epoch_adaptive"),
+        (SylviePolicy, {"bits": 32, "epoch_adaptive": "epoch"}, "epoch_adaptive"),
     ],
 )
 def test_settings_are_validated_at_construction(cls, kwargs, match) -> None:
@@ -174,6 +176,30 @@ def test_adaptor_cannot_restart_the_pipeline_above_the_halo_share_limit() -> Non
         _run_epoch(policy, e, loss)
     assert policy.uniform_bits == 2 and not policy.pipelined
     assert _run_epoch(policy, 5, 8.0)[0] is True
+
+
+@pytest.mark.parametrize(("share", "adapts"), [(0.5, True), (0.2, True), (0.1, False)])
+def test_default_adaptor_reads_the_decrease_per_epoch_above_the_halo_share_limit(share, adapts) -> None:
+    """``epoch_adaptive="auto"`` (the default) runs the adaptor on the loss's decrease per
+    epoch where the halo share is at or above ``max_halo_share`` and leaves it off below.  The
+    losses fall by 0.5, 0.4, 0.3 in epochs of 1, 0.5 and 0.25 s: per epoch a slowdown (bits
+    2 from the next epoch), per second a speed-up (0.5, 0.8, 1.2 per second).
+
+    Negative controls: resolving ``"auto"`` to the seed's rate per second halves nothing and
+    raises nothing here (the bits stay 1 above the share); resolving it to on below the share
+    raises the bits at a 10 % share."""
+    policy = SylviePolicy(staleness=100, adaptive_window=3, guard=False)
+    env = _env(_plan())
+    env.halo_share = share
+    policy.setup(env)
+    assert policy.epoch_adaptive is adapts
+    if adapts:
+        assert policy.adaptor.per == "epoch"
+        policy.adaptor.start, policy.adaptor.momentum = 1, 0.0
+    for e, (loss, seconds) in enumerate([(10.0, 1.0), (9.5, 1.0), (9.1, 0.5), (8.8, 0.25)]):
+        assert _run_epoch(policy, e, loss, seconds)[0] is (e == 0 or share >= 0.2)
+    assert policy.uniform_bits == (2 if adapts else 1)
+    assert policy.settings()["epoch_adaptive"] == ("epoch" if adapts else "auto")
 
 
 def test_guard_runs_the_next_epochs_synchronous_after_a_rise_under_stale_values() -> None:
