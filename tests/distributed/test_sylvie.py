@@ -208,7 +208,8 @@ class _SlowingClassifier(NodeClassifier):
 
 def _fit_default_sylvie(tmp_path, name: str, model_class, **settings) -> tuple[list, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    model = model_class(conv="sage", num_layers=3, optimizer="adam", lr=0.01)
+    # (lr 0.05: the loss flattens from epoch 12 on this graph, and the adaptor raises the bits)
+    model = model_class(conv="sage", num_layers=3, optimizer="adam", lr=0.05)
     record = tmp_path / f"{name}.txt"
     trainer = cpu_trainer(3, max_epochs=16, callbacks=[_RecordBits(record)],
                           strategy_kwargs={"mode": "sylvie", "adaptive_window": 2, **settings})
