@@ -47,7 +47,7 @@ if str(REPO) not in sys.path:
 if str(BENCH_DIR) not in sys.path:
     sys.path.insert(0, str(BENCH_DIR))
 
-from common import SHARED, check_link_support, link_wrapper  # noqa: E402
+from common import SHARED, check_link_support, link_wrapper, parse_rate  # noqa: E402
 
 GRAPHS = ("lowloc", "cora", "citeseer", "tolokers", "products-like")
 MODES: dict[str, dict[str, Any]] = {
@@ -73,7 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--epochs", type=int, default=100, help="training budget of every run")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (means are reported)")
-    p.add_argument("--link", choices=("none", "1gbit", "10gbit"), default="none")
+    p.add_argument("--link", choices=("none", "1gbit", "10gbit", "calibrated"), default="none",
+                   help="emulated link, one bucket for all ranks; calibrated: the rate of --link-rate (e.g. the "
+                   "communication-bound preset's, from `run.py --commbound`'s calibration table)")
+    p.add_argument("--link-rate", help="--link calibrated: bit/s of the shared link, e.g. 666mbit")
     p.add_argument("--target-gap", type=float, default=0.005, help="target = exact's best - this")
     p.add_argument("--nodes", type=int, default=1_000_000, help="products-like nodes")
     p.add_argument("--hidden", type=int, default=256)
@@ -428,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
         return add_peers(args, Path(args.add_peers))
     from lightning_fullgraph import FullGraphDataModule
 
+    if (args.link == "calibrated") != (args.link_rate is not None):
+        raise SystemExit("--link calibrated and --link-rate go together")
+    rate_bps = parse_rate(args.link_rate) if args.link_rate else None
     if args.link != "none":
         why = check_link_support()
         if why is not None:
@@ -438,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "created": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(["python benchmarks/run.py --convergence",
                                                                            *(argv if argv is not None else sys.argv[1:])]),
-        "ranks": args.ranks, "link": args.link, "epochs": args.epochs, "seeds": seeds, "hidden": args.hidden,
+        "ranks": args.ranks, "link": args.link if rate_bps is None else f"{rate_bps / 1e6:g} Mbit/s (calibrated)",
+        "epochs": args.epochs, "seeds": seeds, "hidden": args.hidden,
         "layers": args.layers, "weight_decay": args.weight_decay, "target_gap": args.target_gap, "graphs": [],
     }
     for graph in [g for g in args.graphs.split(",") if g]:
@@ -458,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
                         "cache_dir": str(cache), "out_dir": str(work)}
                 (work / "spec.json").write_text(json.dumps(spec))
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(work / "spec.json")]
-                wrap, _ = link_wrapper(args.link, "shared", args.ranks)
+                wrap, _ = link_wrapper(args.link, "shared", args.ranks, rate_bps)
                 t0 = time.perf_counter()
                 env = dict(os.environ, BENCH_TC_STATS=str(work / "tc.txt"),
                            MASTER_PORT=str(29600 + (os.getpid() + len(runs)) % 2000))

@@ -37,6 +37,14 @@ MIN_BURST_BYTES = 2 * 65536  # a calibrated (slow) link's bucket still holds two
 
 
 # -- link emulation ----------------------------------------------------------------------------
+def parse_rate(text: str) -> float:
+    """``200mbit``, ``1.5gbit``, ``800kbit``, ``2e8`` (bit/s) -> bit/s."""
+    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kmg]?)(bit|bps)?\s*", str(text).lower())
+    if not m:
+        raise SystemExit(f"--link-rate {text!r}: give bit/s, e.g. 200mbit or 2e8")
+    return float(m.group(1)) * {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+
+
 def link_wrapper(link: str, scope: str, ranks: int, rate_bps: float | None = None) -> tuple[list[str], str]:
     """The command prefix that runs a worker behind the emulated link, and its description.
 

@@ -31,7 +31,6 @@ import argparse
 import itertools
 import json
 import os
-import re
 import shlex
 import shutil
 import statistics
@@ -55,6 +54,7 @@ from common import (  # noqa: E402
     check_link_support,
     config,
     link_wrapper,
+    parse_rate,
     part_key,
     run_config,
     run_logged,
@@ -230,14 +230,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _ints(text: str) -> list[int]:
     return [int(float(t)) for t in str(text).split(",") if t.strip()]
-
-
-def parse_rate(text: str) -> float:
-    """``200mbit``, ``1.5gbit``, ``800kbit``, ``2e8`` (bit/s) -> bit/s."""
-    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kmg]?)(bit|bps)?\s*", str(text).lower())
-    if not m:
-        raise SystemExit(f"--link-rate {text!r}: give bit/s, e.g. 200mbit or 2e8")
-    return float(m.group(1)) * {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
 
 
 def peer_thread_counts() -> list[int]:

@@ -40,7 +40,7 @@ def test_link_wrapper_and_tc_parsing() -> None:
     assert "tbf rate 40000000000bit burst 5000000b" in prefix[4]
     prefix, desc = common.link_wrapper("calibrated", "per-rank", 4, rate_bps=150e6)
     assert "tbf rate 600000000bit burst 524288b" in prefix[4] and "150.0 Mbit/s" in desc
-    assert run.parse_rate("150mbit") == 150e6 and run.parse_rate("2e8") == 2e8
+    assert run.parse_rate("150mbit") == 150e6 and run.parse_rate("2e8") == 2e8  # (re-exported from common)
     stats = common.parse_tc_stats(
         "qdisc tbf 8001: root refcnt 2 rate 1Gbit burst 125000b lat 50ms\n"
         " Sent 553013712 bytes 22280 pkt (dropped 31, overlimits 20299 requeues 0)\n"
@@ -523,3 +523,27 @@ def test_convergence_no_minibatch_runs_the_full_graph_peer_only(monkeypatch) -> 
     conv.peers(entry, None, "accuracy", args, [0])
     assert calls == ["full"] and list(entry["runs"]) == ["peer-fullgraph"]
     assert "--no-minibatch" in entry["minibatch_skipped"]
+
+
+def test_convergence_weight_decay_reaches_the_peers(monkeypatch) -> None:
+    """``--weight-decay`` trains the peers with the runs' weight decay.
+
+    Negative control: leaving it out of the full-graph peer's call fails the assertion."""
+    conv = _load("bench_convergence")
+    seen = []
+    monkeypatch.setattr(conv, "run_full_peer", lambda *a: seen.append(a[-1]) or _epochs([0.1], 1.0))
+    args = conv.parse_args(["--no-minibatch", "--weight-decay", "5e-4"])
+    conv.peers({"runs": {}}, None, "accuracy", args, [0])
+    assert seen == [5e-4]
+
+
+@pytest.mark.parametrize("argv", [["--link", "calibrated"], ["--link-rate", "666mbit"]])
+def test_convergence_calibrated_link_needs_its_rate(argv) -> None:
+    """``--link calibrated`` (the communication-bound preset's rate) and ``--link-rate`` go
+    together; neither alone starts a run.
+
+    Negative control: dropping the check lets ``--link calibrated`` reach ``link_wrapper``
+    without a rate (a ValueError there, after the graph was loaded), not this SystemExit."""
+    conv = _load("bench_convergence")
+    with pytest.raises(SystemExit, match="go together"):
+        conv.main([*argv, "--graphs", "lowloc", "--modes", "exact"])

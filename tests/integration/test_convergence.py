@@ -8,8 +8,9 @@ epoch.
 
 Measured with the fused codec (seeds 0/1/2, this machine; best / mean of the last 5 epochs):
 exact 0.9145/0.9127, 0.9165/0.9136, 0.9130/0.9067 (mean best 0.9147); sylvie with its defaults
-(synchronous 1-bit: the share is above ``max_halo_share``) 0.9125/0.9098, 0.9100/0.9047,
-0.9130/0.9041 (0.9118); adaqp 0.9155/0.9120, 0.9135/0.9120, 0.9185/0.9140 (0.9158); the
+(synchronous: the share is above ``max_halo_share``; ``epoch_adaptive="auto"`` raises the bits
+from 1 as the loss flattens) 0.919/0.9147, 0.915/0.9116, 0.913/0.9069 (0.9157; one bit
+throughout, ``epoch_adaptive=False``: 0.9125/0.9098, 0.9100/0.9047, 0.9130/0.9041, 0.9118); adaqp 0.9155/0.9120, 0.9135/0.9120, 0.9185/0.9140 (0.9158); the
 stale pipeline forced on (``max_halo_share=1.0``, no guard) 0.534/0.296, 0.647/0.267,
 0.594/0.382 (0.592).  With the guard alone (earlier codec, seed 0) 0.867 / 0.687.
 
