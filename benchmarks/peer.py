@@ -69,7 +69,7 @@ def graph_input(edge_index, num_nodes: int, variant: str):
 
 
 def build_model(conv: str, in_channels: int, num_classes: int, hidden: int, layers: int, dropout: float = 0.5,
-                lr: float = 0.01, seed: int = 0, weight_decay: float = 0.0):
+                lr: float = 0.01, seed: int = 0, weight_decay: float = 5e-4):
     """The distributed runs' model, with the same initial weights for the same seed."""
     import lightning.pytorch as pl
 

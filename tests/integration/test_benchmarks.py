@@ -532,9 +532,9 @@ def test_convergence_weight_decay_reaches_the_peers(monkeypatch) -> None:
     conv = _load("bench_convergence")
     seen = []
     monkeypatch.setattr(conv, "run_full_peer", lambda *a: seen.append(a[-1]) or _epochs([0.1], 1.0))
-    args = conv.parse_args(["--no-minibatch", "--weight-decay", "5e-4"])
+    args = conv.parse_args(["--no-minibatch", "--weight-decay", "1e-3"])
     conv.peers({"runs": {}}, None, "accuracy", args, [0])
-    assert seen == [5e-4]
+    assert seen == [1e-3]
 
 
 @pytest.mark.parametrize("argv", [["--link", "calibrated"], ["--link-rate", "666mbit"]])
