@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -187,11 +188,17 @@ def test_default_adaptor_reads_the_decrease_per_epoch_above_the_halo_share_limit
 
     Negative controls: resolving ``"auto"`` to the seed's rate per second halves nothing and
     raises nothing here (the bits stay 1 above the share); resolving it to on below the share
-    raises the bits at a 10 % share."""
+    raises the bits at a 10 % share; dropping the clause on the adaptor from the setup line
+    fails the message assertion."""
     policy = SylviePolicy(staleness=100, adaptive_window=3, guard=False)
     env = _env(_plan())
     env.halo_share = share
-    policy.setup(env)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        policy.setup(env)
+    # the fit-start line says that the bits will follow the loss
+    said = " ".join(str(w.message) for w in caught)
+    assert ("the bits double when the loss's decrease per epoch slows" in said) is (share >= 0.2), said
     assert policy.epoch_adaptive is adapts
     if adapts:
         assert policy.adaptor.per == "epoch"
