@@ -24,6 +24,16 @@ epochs, as :mod:`lightning_fullgraph.comm.policies.sylvie.pipeline` does); ``--w
 synchronous; ``--extrapolate`` replaces :math:`\tilde X, \tilde G` by the linear extrapolation
 :math:`2 v_{t-1} - v_{t-2}`; ``--guard tau`` applies the divergence guard's rule.
 
+``--bits b`` sends the synchronous epochs' cross-part rows and gradients through the
+package's codec (:func:`~lightning_fullgraph.comm.quantize.quantize`, unbiased stochastic
+rounding per row); ``--error-feedback both`` adds each message's rounding error to the next one
+of the same layer and direction, :math:`\tilde X_t = Q(X_t + e_{t-1})`, :math:`e_t = X_t +
+e_{t-1} - \tilde X_t` (:class:`ErrorFeedbackCodec`), ``--error-feedback backward`` does so for
+the gradients only: the compressed-communication correction issue 28 asks to measure.
+``--ef-study`` prints the codec's contraction ratio per bit-width (:func:`contraction`), then
+runs exact, one bit, and one bit with each kind of error feedback over ``--seeds`` and prints
+the means (``benchmarks/results/error-feedback.md``).
+
 ``python benchmarks/staleness_isolation.py --all`` runs every variant on the low-locality graph
 of ``tests/integration/test_convergence.py`` (12,000 nodes, 16 classes, halo share 0.55 at 4
 parts; GCN 3 x 256, Adam 0.01, dropout 0.5, 60 epochs, two runs at a time) and prints one
@@ -58,6 +68,14 @@ VARIANTS: dict[str, list[str]] = {
     "stale after 20 synchronous epochs": ["--mode", "stale", "--warm", "20"],
     "stale every 5th synchronous + guard 0.1": ["--mode", "stale", "--eps", "5", "--guard", "0.1"],
 }
+EF_VARIANTS: dict[str, list[str]] = {
+    "exact (fp32)": ["--mode", "exact"],
+    "synchronous, 1 bit": ["--mode", "exact", "--bits", "1"],
+    "synchronous, 1 bit + error feedback on rows and gradients": ["--mode", "exact", "--bits", "1",
+                                                                   "--error-feedback", "both"],
+    "synchronous, 1 bit + error feedback on gradients": ["--mode", "exact", "--bits", "1",
+                                                          "--error-feedback", "backward"],
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,7 +93,57 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--parts", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bits", type=int, default=0, help="quantize synchronous cross-part messages (0: fp32)")
+    p.add_argument("--error-feedback", choices=["off", "both", "backward"], default="off", nargs="?", const="both",
+                   help="add the previous epoch's rounding error to the next message: rows and gradients, or "
+                        "the gradients only")
+    p.add_argument("--ef-study", action="store_true", help="exact, 1 bit, 1 bit + error feedback over --seeds")
+    p.add_argument("--seeds", default="0,1,2")
     return p.parse_args(argv)
+
+
+class ErrorFeedbackCodec:
+    r"""The package's codec (unbiased stochastic rounding per row), optionally with error feedback.
+
+    With ``feedback`` each message carries the previous message's rounding error,
+    :math:`\tilde v_t = Q(v_t + e_{t-1})`, :math:`e_t = v_t + e_{t-1} - \tilde v_t`, so the sum of
+    what was sent telescopes to :math:`\sum_t v_t - e_T`.  That bounds the accumulated error only if
+    :math:`Q` is a contraction, :math:`E\|Q(v) - v\|^2 \le (1 - \delta) \|v\|^2`
+    (:func:`contraction`).
+
+    Shapes:
+        **input:** :math:`(N, F)` fp32, the same shape at every call;
+        **output:** :math:`(N, F)` fp32, the dequantized message.
+    """
+
+    def __init__(self, bits: int, generator, feedback: bool) -> None:
+        self.bits, self.generator, self.feedback = bits, generator, feedback
+        self.error = None
+
+    def __call__(self, v):
+        from lightning_fullgraph.comm.quantize import dequantize, quantize
+
+        if self.feedback and self.error is not None:
+            v = v + self.error
+        sent = dequantize(quantize(v.contiguous(), self.bits, self.generator))
+        if self.feedback:
+            self.error = v - sent
+        return sent
+
+
+def contraction(bits: int, rows: int = 2000, cols: int = 256, steps: int = 20, seed: int = 0) -> tuple[float, float]:
+    """``E||Q(v) - v||^2 / ||v||^2`` of the codec on Gaussian rows, and ``||e_steps|| / ||v||`` after
+    ``steps`` messages of the same rows with error feedback (grows without bound where the first is > 1)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    v = torch.randn(rows, cols, generator=generator)
+    plain = ErrorFeedbackCodec(bits, generator, feedback=False)
+    ratio = float((plain(v) - v).pow(2).sum() / v.pow(2).sum())
+    fed = ErrorFeedbackCodec(bits, generator, feedback=True)
+    for _ in range(steps):
+        fed(v)
+    return ratio, float(fed.error.norm() / v.norm())
 
 
 def simulate(a: argparse.Namespace) -> dict:
@@ -111,6 +179,27 @@ def simulate(a: argparse.Namespace) -> dict:
     # per layer: the last two kept rows / gradients (newest first)
     rows: list[list] = [[] for _ in lins]
     grads: list[list] = [[] for _ in lins]
+
+    codec_rng = torch.Generator().manual_seed(10_000 + a.seed)
+    # per layer and direction: the codec, with the rounding error of its last message (error feedback)
+    codecs = {(layer, direction): ErrorFeedbackCodec(
+        a.bits, codec_rng, feedback=a.error_feedback == "both" or (a.error_feedback == direction == "backward"))
+        for layer in range(len(lins)) for direction in ("forward", "backward")}
+
+    def send(v: torch.Tensor, layer: int, direction: str) -> torch.Tensor:
+        return codecs[(layer, direction)](v.detach())
+
+    class Quantized(torch.autograd.Function):
+        """The cross-part rows through the codec forward, their gradient backward."""
+
+        @staticmethod
+        def forward(ctx, x, layer):
+            ctx.layer = layer
+            return send(x, layer, "forward")
+
+        @staticmethod
+        def backward(ctx, grad):
+            return send(grad, ctx.layer, "backward"), None
 
     def keep(buf: list, value) -> None:
         buf.insert(0, value)
@@ -155,7 +244,10 @@ def simulate(a: argparse.Namespace) -> dict:
             if i == 0 or not train:
                 agg = full @ x
             elif sync or not rows[i]:
-                agg = inner @ x + outer @ Capture.apply(x, i)
+                crossing = Capture.apply(x, i)
+                if a.bits:
+                    crossing = Quantized.apply(crossing, i)
+                agg = inner @ x + outer @ crossing
                 keep(rows[i], x.detach().clone())
             else:
                 old = kept(rows[i]).detach().clone().requires_grad_(a.mode in ("stale", "grads"))
@@ -177,6 +269,7 @@ def simulate(a: argparse.Namespace) -> dict:
         return x, leaves
 
     curve, losses = [], []
+    diverged = None
     for epoch in range(a.epochs):
         opt.zero_grad()
         out, leaves = forward(True, epoch)
@@ -187,6 +280,10 @@ def simulate(a: argparse.Namespace) -> dict:
         opt.step()
         value = float(loss)
         losses.append(value)
+        if not math.isfinite(value) or value > 1e6:
+            # diverged: the codec cannot range a non-finite row; report the epoch instead of a traceback
+            diverged = epoch
+            break
         if a.guard is not None:
             guard["first"] = value if guard["first"] is None else guard["first"]
             if (value - guard["best"] > a.guard * max(guard["best"], guard["first"] / 2)
@@ -200,7 +297,7 @@ def simulate(a: argparse.Namespace) -> dict:
         curve.append(float((pred[g.val_mask] == g.y[g.val_mask]).float().mean()))
     share = float(cross.sum()) / float(cross.numel())
     return {"halo_share": share, "best": max(curve), "best_epoch": curve.index(max(curve)), "final": curve[-1],
-            "curve": curve, "losses": losses, "guard_reactions": guard["reactions"]}
+            "curve": curve, "losses": losses, "guard_reactions": guard["reactions"], "diverged": diverged}
 
 
 def run_all(epochs: int) -> int:
@@ -222,10 +319,45 @@ def run_all(epochs: int) -> int:
     return 0
 
 
+def run_ef_study(epochs: int, seeds: list[int]) -> int:
+    jobs = [(name, extra, seed) for name, extra in EF_VARIANTS.items() for seed in seeds]
+
+    def one(job):
+        name, extra, seed = job
+        out = subprocess.run([sys.executable, __file__, *extra, "--epochs", str(epochs), "--seed", str(seed)],
+                             capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"{name}, seed {seed} failed:\n{out.stderr[-2000:]}")
+        return name, seed, json.loads(out.stdout.strip().splitlines()[-1])
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(one, jobs))
+    share = results[0][2]["halo_share"]
+    print(f"low-locality graph, 4 METIS parts, cross-part share {share:.3f}; GCN 3 x 256, Adam 0.01, dropout 0.5, "
+          f"{epochs} epochs, seeds {seeds}\n")
+    print("| codec bits | E‖Q(v) - v‖² / ‖v‖² | ‖e‖ / ‖v‖ after 20 messages with error feedback |\n|---|---|---|")
+    for bits in (1, 2, 4, 8):
+        ratio, grown = contraction(bits)
+        print(f"| {bits} | {ratio:.3f} | {grown:.3g} |")
+    print()
+    print("| variant | best val acc, per seed | mean best | mean of the last 5 epochs | diverged (loss > 1e6) "
+          "at epoch |\n|---|---|---|---|---|")
+    for name in EF_VARIANTS:
+        rs = [r for n, _, r in results if n == name]
+        bests = [r["best"] for r in rs]
+        finals = [sum(r["curve"][-5:]) / len(r["curve"][-5:]) for r in rs]
+        diverged = " / ".join("-" if r["diverged"] is None else str(r["diverged"]) for r in rs)
+        print(f"| {name} | {' / '.join(f'{b:.4f}' for b in bests)} | {sum(bests) / len(bests):.4f} | "
+              f"{sum(finals) / len(finals):.4f} | {diverged} |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.all:
         return run_all(a.epochs)
+    if a.ef_study:
+        return run_ef_study(a.epochs, [int(s) for s in a.seeds.split(",") if s])
     print(json.dumps(simulate(a)))
     return 0
 

@@ -547,3 +547,26 @@ def test_convergence_calibrated_link_needs_its_rate(argv) -> None:
     conv = _load("bench_convergence")
     with pytest.raises(SystemExit, match="go together"):
         conv.main([*argv, "--graphs", "lowloc", "--modes", "exact"])
+
+
+def test_error_feedback_carries_each_rounding_error_into_the_next_message() -> None:
+    """``staleness_isolation.ErrorFeedbackCodec`` (issue 28's error-feedback study): with feedback
+    the messages sum to the inputs' sum minus the last error, so nothing rounded away is lost
+    over time; without it the rounding errors add up.  ``contraction`` backs the study's
+    explanation: one bit is no contraction (its fed-back error grows without bound), four bits
+    is.  Negative control: dropping ``v = v + self.error`` from ``__call__`` fails the first
+    assertion."""
+    import torch
+
+    iso = _load("staleness_isolation")
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(64, 16, generator=g) for _ in range(5)]
+    fed = iso.ErrorFeedbackCodec(2, torch.Generator().manual_seed(1), feedback=True)
+    sent = sum(fed(v) for v in inputs)
+    torch.testing.assert_close(sent, sum(inputs) - fed.error, atol=1e-4, rtol=0)
+    plain = iso.ErrorFeedbackCodec(2, torch.Generator().manual_seed(1), feedback=False)
+    assert (sum(plain(v) for v in inputs) - sum(inputs)).abs().max() > 0.1
+    ratio, grown = iso.contraction(1, rows=200, cols=64, steps=10)
+    assert ratio > 1 and grown > 100
+    ratio, grown = iso.contraction(4, rows=200, cols=64, steps=10)
+    assert ratio < 0.1 and grown < 1
