@@ -16,6 +16,9 @@ write of the same bytes: the physical reference; ``q/copy`` and ``dq/copy`` give
 value from the generator (the dither before the counter-based one: on its own slower than the
 whole compiled quantizer), and the wire size:
 bytes per row (16-bit row metadata + packed levels) and how many times fewer than float32.
+A second table (``--no-message`` skips it) times a message's two ends as the exchange runs
+them: the sent rows gathered then quantized against quantized where they lie, and a gradient
+message decoded then added up at the owners against decoded straight into the sum.
 Every figure is the median of ``--repeats`` calls after a warm-up call.  ``--timer cpu``
 measures the thread's CPU time instead of wall-clock time, which is steadier when other
 processes share the cores.
@@ -32,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 
+from lightning_fullgraph.comm.codec import decode_rows, decode_rows_add, encode_rows, message_layout
 from lightning_fullgraph.comm.quantize import dequantize, quantize
 
 
@@ -86,6 +90,7 @@ def main() -> None:
     parser.add_argument("--bits", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--timer", choices=["wall", "cpu"], default="wall")
     parser.add_argument("--no-naive", action="store_true", help="skip the (slow) naive reference")
+    parser.add_argument("--no-message", action="store_true", help="skip the message table (gather / sum fused or not)")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
 
@@ -148,6 +153,34 @@ def main() -> None:
             line += f" {n_q:8.2f} {n_dq:9.2f} {r_q / n_q:6.1f}x/{r_dq / n_dq:4.1f}x"
         line += f" {q.buffer.shape[1]:9d} {4 * args.cols / q.buffer.shape[1]:7.1f}x"
         print(line, flush=True)
+    if not args.no_message:
+        message_rows(x, args.bits, rate)
+
+
+def message_rows(x: torch.Tensor, bits_list: list[int], rate: Callable[[Callable[[], object]], float]) -> None:
+    """A halo message's two ends, the sent rows drawn with repeats from a third as many owned
+    rows (about the 60k community graph's 15k owned and 40k sent rows per rank): the sender
+    gathering ``x[index]`` and quantizing it, against the codec reading the rows in place
+    (``encode_rows(..., index=)``); the receiver of a gradient message decoding it and adding
+    the rows up at their owners (``index_add``), against decoding straight into the sum
+    (``decode_rows_add``).  GB/s of the message's float32 rows."""
+    n, d = x.shape
+    owned = x[: max(1, n // 3)].relu()  # activations: ReLU outputs
+    gen = torch.Generator(device=x.device).manual_seed(1)
+    index = torch.randint(0, owned.size(0), (n,), generator=gen, device=x.device)
+    counts = [n]
+    target = torch.zeros_like(owned)
+    print(f"# a message of {n} rows gathered from {owned.size(0)} (repeats allowed); GB/s of its float32 rows")
+    print(f"{'bits':>4} {'gather+q':>9} {'q in place':>11} {'speedup':>8} {'dq+index_add':>13} {'dq into sum':>12} {'speedup':>8}")
+    for bits in bits_list:
+        widths = torch.full((n,), bits, dtype=torch.uint8, device=x.device)
+        layout = message_layout(widths, counts, d)
+        enc = encode_rows(owned, widths, counts, gen, layout, index=index)
+        r_g = rate(lambda w=widths, lay=layout: encode_rows(owned.index_select(0, index), w, counts, gen, lay))
+        r_i = rate(lambda w=widths, lay=layout: encode_rows(owned, w, counts, gen, lay, index=index))
+        r_a = rate(lambda e=enc, w=widths, lay=layout: target.index_add_(0, index, decode_rows(e.buffer, w, counts, d, lay)))
+        r_s = rate(lambda e=enc, w=widths, lay=layout: decode_rows_add(e.buffer, w, counts, d, target, index, lay))
+        print(f"{bits:>4} {r_g:9.2f} {r_i:11.2f} {r_i / r_g:7.2f}x {r_a:13.2f} {r_s:12.2f} {r_s / r_a:7.2f}x", flush=True)
 
 
 if __name__ == "__main__":

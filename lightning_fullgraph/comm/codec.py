@@ -36,6 +36,7 @@ from lightning_fullgraph.comm.quantize import (
     quantize,
     quantize_scattered,
     row_nbytes,
+    uses_kernels,
 )
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "MessageLayout",
     "ReceivedRows",
     "decode_rows",
+    "decode_rows_add",
     "encode_rows",
     "message_layout",
     "message_nbytes",
@@ -171,30 +173,47 @@ def encode_rows(
     counts: list[int],
     generator: torch.Generator | None = None,
     layout: MessageLayout | None = None,
+    index: Tensor | None = None,
 ) -> EncodedRows:
     """Quantizes ``rows`` (``[S, F]``, peer-contiguous, ``counts[p]`` rows for peer ``p``) with
     ``bits[i]`` bits for row ``i``, into the layout of the module docstring (``layout``: that
-    of ``bits``/``counts``, e.g. from a :class:`LayoutCache`; computed when ``None``)."""
+    of ``bits``/``counts``, e.g. from a :class:`LayoutCache`; computed when ``None``).
+
+    ``index``: ``[S]`` int64; the message's rows are then ``rows[index]`` (``rows``: ``[M, F]``,
+    e.g. all rows a rank owns and its send index), the same bytes as
+    ``encode_rows(rows.index_select(0, index), ...)``; the compiled CPU kernels read them where
+    they lie (no ``[S, F]`` gather: on the 60k community graph gathering took as long as
+    quantizing), other devices gather first."""
+    if index is not None and not uses_kernels(rows.device):
+        rows, index = rows.index_select(0, index), None
     if layout is None:
         layout = message_layout(bits, counts, rows.size(1))
     b = layout.single
-    if b is not None:
+    if b is not None and index is None:
         # One bit-width (sylvie, adaqp before its first assignment): the quantizer's records,
         # in row order, already are the peer-contiguous layout; no gather, no re-concatenation.
         q = quantize(rows, b, generator=generator)
         return EncodedRows(buffer=q.buffer.reshape(-1), nbytes=layout.nbytes, rng=q.rng)
-    return _encode_grouped(rows, counts, layout, generator)
+    return _encode_grouped(rows, counts, layout, generator, index)
 
 
 def _encode_grouped(
-    rows: Tensor, counts: list[int], layout: MessageLayout, generator: torch.Generator | None
+    rows: Tensor,
+    counts: list[int],
+    layout: MessageLayout,
+    generator: torch.Generator | None,
+    index: Tensor | None = None,
 ) -> EncodedRows:
     # every width's rows quantized in one call (one key), each record written where it goes
     buffer = torch.empty(sum(layout.nbytes), dtype=torch.uint8, device=rows.device)
-    rng = torch.zeros(rows.size(0), dtype=torch.float32, device=rows.device)
+    if layout.single is not None and index is not None:  # one call over the whole message
+        b = layout.single
+        return EncodedRows(buffer, layout.nbytes, quantize_scattered(rows, index, b, buffer, layout.offsets[b], generator))
+    rng = torch.zeros(sum(counts), dtype=torch.float32, device=rows.device)
     for b in layout.widths:
-        idx = layout.index[b]
-        rng.index_copy_(0, idx, quantize_scattered(rows, idx, b, buffer, layout.offsets[b], generator))
+        at = layout.index[b]  # the width's rows, as positions in the message
+        src = at if index is None else index[at]
+        rng.index_copy_(0, at, quantize_scattered(rows, src, b, buffer, layout.offsets[b], generator))
     return EncodedRows(buffer=buffer, nbytes=layout.nbytes, rng=rng)
 
 
@@ -229,6 +248,42 @@ def _decode_grouped(
     for b in layout.widths:
         dequantize_scattered(buffer, layout.offsets[b], b, row_len, layout.index[b], out)
     return out
+
+
+def decode_rows_add(
+    buffer: Tensor,
+    bits: Tensor,
+    counts: list[int],
+    row_len: int,
+    target: Tensor,
+    index: Tensor,
+    layout: MessageLayout | None = None,
+) -> Tensor:
+    """Adds the rows :func:`decode_rows` gives into ``target`` (``[M, row_len]``), row ``i``
+    into ``target[index[i]]`` (``index``: ``[R]`` int64, repeats allowed: those rows add up),
+    in place; returns ``target``.
+
+    The sums are ``target.index_add_`` of one bit-width's rows after the other (widths
+    ascending, rows in message order within a width; with one width exactly
+    ``target.index_add_(0, index, decode_rows(...))``).  The compiled CPU kernels add each
+    decoded value where it goes, so the ``[R, row_len]`` rows are never written: on the
+    receiving side of a gradient message that is one fresh tensor and two passes fewer than
+    decoding first.  Other devices and dtypes decode first."""
+    if layout is None:
+        layout = message_layout(bits, counts, row_len)
+    if target.dtype != torch.float32 or not uses_kernels(target.device):
+        rows = decode_rows(buffer, bits, counts, row_len, layout)
+        if layout.single is not None:
+            return target.index_add_(0, index, rows.to(target.dtype))
+        for b in layout.widths:
+            at = layout.index[b]
+            target.index_add_(0, index[at], rows[at].to(target.dtype))
+        return target
+    buffer = buffer.contiguous()
+    for b in layout.widths:
+        rows_at = index if layout.single is not None else index[layout.index[b]]
+        dequantize_scattered(buffer, layout.offsets[b], b, row_len, rows_at, target, accumulate=True)
+    return target
 
 
 @dataclass
@@ -274,3 +329,13 @@ class ReceivedRows:
         if self.stats is not None:
             self.stats.quant_time += time.perf_counter() - t
         return rows
+
+    def add_into(self, target: Tensor, index: Tensor) -> Tensor:
+        """Adds the decoded rows into ``target`` (``[M, F]``), row ``i`` into
+        ``target[index[i]]``, in place (:func:`decode_rows_add`: the halo-row gradients coming
+        home to the rows their owner holds, without the ``[R, F]`` rows); returns ``target``."""
+        t = time.perf_counter()
+        decode_rows_add(self.buffer, self.bits, self.counts, self.row_len, target, index, self.layout)
+        if self.stats is not None:
+            self.stats.quant_time += time.perf_counter() - t
+        return target

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fullgraph.comm.codec import LayoutCache
+from lightning_fullgraph.comm.codec import LayoutCache, ReceivedRows
 from lightning_fullgraph.comm.messages import Message, send_encoded, send_rows
 from lightning_fullgraph.comm.path import Pending, append_halo, halo_buffer, split_halo_grad
 from lightning_fullgraph.comm.plan import HaloPlan
@@ -113,27 +113,42 @@ class HaloExchanger:
 
     # -- sending --------------------------------------------------------------------------
     def launch(
-        self, rows: Tensor, layer: int | None, direction: str, kind: str = "message", out: Tensor | None = None
+        self,
+        rows: Tensor,
+        layer: int | None,
+        direction: str,
+        kind: str = "message",
+        out: Tensor | None = None,
+        index: Tensor | None = None,
     ) -> Message:
         """Starts one message: ``rows`` are the sent rows (forward: ``[S, F]`` in send order;
-        backward: ``[H, F]`` gradients in halo order).  Inside a training step a layer's
-        message travels at the bit-widths its policy gives (encoded around the transport, the
-        rows' ranges handed back to the policy); otherwise as it is.  Returns the message in
-        flight: ``wait()`` gives the received rows (received or decoded straight into ``out``
-        when given), ``received()`` them as they arrived."""
+        backward: ``[H, F]`` gradients in halo order), or with ``index`` the rows
+        ``rows[index]`` (forward: the owned rows ``[N_r, F]`` and the plan's ``send_index``).
+        Inside a training step a layer's message travels at the bit-widths its policy gives
+        (encoded around the transport, the codec reading the indexed rows where they lie, the
+        rows' ranges handed back to the policy); otherwise as it is (gathered first).  Returns
+        the message in flight: ``wait()`` gives the received rows (received or decoded straight
+        into ``out`` when given), ``received()`` them as they arrived."""
         counts = self.plan.counts(direction)
         bits = None
         if self.training and layer is not None:
             bits = self.policy.message_bits(layer, direction)
         if bits is None:
+            if index is not None:
+                rows = rows.index_select(0, index)
             return send_rows(self.transport, rows, *counts, kind=kind, layer=layer, direction=direction, out=out)
         message, row_range = send_encoded(
             self.transport, rows, *counts, bits,
             generator=self.policy.generator, kind=kind, layer=layer, direction=direction,
-            layouts=self.layouts, out=out,
+            layouts=self.layouts, out=out, index=index,
         )
         self.policy.observe(layer, direction, row_range, rows.size(1))
         return message
+
+    def send_forward(self, x: Tensor, layer: int | None, kind: str = "message", out: Tensor | None = None) -> Message:
+        """Starts the forward message of ``x``'s halo rows (``x``: the ``[N_r, F]`` rows this
+        rank owns, not differentiated): :meth:`launch` of ``x[send_index]``."""
+        return self.launch(x.detach(), layer, "forward", kind, out=out, index=self.plan.send_index)
 
     def check_rows(self, x: Tensor) -> None:
         """Refuses ``x`` unless it has the ``N_r`` rows this rank owns."""
@@ -147,22 +162,34 @@ class HaloExchanger:
         training step the policy says so for ``layer``.  With ``full``, ``cat(x, halo)``
         ``[N_r + H_r, *]`` with the halo rows received (or decoded) straight into it."""
         self.check_rows(x)
-        rows = x.detach().index_select(0, self.plan.send_index)
         if not full:
-            return self.launch(rows, layer, "forward", kind).wait()
+            return self.send_forward(x, layer, kind).wait()
         buffer, halo = halo_buffer(x.detach(), self.plan.num_halo)
-        self.launch(rows, layer, "forward", kind, out=halo).wait()
+        self.send_forward(x, layer, kind, out=halo).wait()
         return buffer
 
     def push_back(self, grad_halo: Tensor, layer: int | None = None) -> Tensor:
         """Sends halo-row gradients home and sums them at the owners: ``[H_r, *] -> [N_r, *]``."""
-        return self.add_home(self.launch(grad_halo.contiguous(), layer, "backward").wait())
+        return self.add_home(self.launch(grad_halo.contiguous(), layer, "backward"))
 
-    def add_home(self, recv: Tensor, owned: Tensor | None = None) -> Tensor:
+    def add_home(self, recv: Tensor | ReceivedRows | Message, owned: Tensor | None = None) -> Tensor:
         """``[S, *]`` received gradient rows summed at their owners, ``[N_r, *]``; added to
         ``owned`` (the owned rows' gradient from the same output, not modified) when given, so
-        the sum is one new tensor rather than a zero-filled one that autograd adds up."""
+        the sum is one new tensor rather than a zero-filled one that autograd adds up.
+
+        ``recv``: the rows, a message kept as it arrived, or a message in flight (waited for
+        here).  A compressed message is decoded straight into the sum
+        (:meth:`~lightning_fullgraph.comm.codec.ReceivedRows.add_into`), never into ``[S, *]``
+        rows of its own."""
         plan = self.plan
+        if not isinstance(recv, (Tensor, ReceivedRows)):
+            recv = recv.received()
+        if isinstance(recv, ReceivedRows):
+            if owned is not None:
+                grad = owned.clone(memory_format=torch.contiguous_format)
+            else:
+                grad = torch.zeros((plan.num_owned, recv.row_len), dtype=recv.dtype, device=recv.buffer.device)
+            return recv.add_into(grad, plan.send_index)
         if owned is not None:
             return torch.index_add(owned, 0, plan.send_index, recv.to(owned.dtype))
         grad = recv.new_zeros((plan.num_owned,) + tuple(recv.shape[1:]))
@@ -206,8 +233,7 @@ class HaloExchanger:
         self.check_rows(x)
         self.stats.forward_exchanges += 1
         if not grad:
-            message = self.launch(x.index_select(0, self.plan.send_index), layer, "forward")
-            return Pending(message.wait)
+            return Pending(self.send_forward(x, layer).wait)
         return self.policy.start_halo(self, x, layer)
 
     def exchange_synchronous(self, x: Tensor, layer: int | None, full: bool = False) -> Tensor:
@@ -304,7 +330,7 @@ class _HaloExchangeFn(torch.autograd.Function):
         exchanger.stats.backward_exchanges += 1
         grad_halo, owned = split_halo_grad(ctx, grad)
         message = exchanger.launch(grad_halo.contiguous(), ctx.layer, "backward")
-        return exchanger.add_home(message.wait(), owned), None, None, None
+        return exchanger.add_home(message, owned), None, None, None
 
 
 class _StartFn(torch.autograd.Function):
@@ -313,15 +339,14 @@ class _StartFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, exchanger: HaloExchanger, layer: int | None, state: dict) -> Tensor:
-        rows = x.detach().index_select(0, exchanger.plan.send_index)
-        state["message"] = exchanger.launch(rows, layer, "forward")
+        state["message"] = exchanger.send_forward(x, layer)
         ctx.exchanger, ctx.state = exchanger, state
         return x.new_empty(0)
 
     @staticmethod
     def backward(ctx: Any, _grad_token: Tensor) -> tuple[Tensor, None, None, None]:
         exchanger: HaloExchanger = ctx.exchanger
-        return exchanger.add_home(ctx.state.pop("message_back").wait()), None, None, None
+        return exchanger.add_home(ctx.state.pop("message_back")), None, None, None
 
 
 class _WaitFn(torch.autograd.Function):

@@ -9,7 +9,8 @@ while the row is in the L1 cache:
 * :func:`quantize_gather` -- row min/max, the 16-bit grid, the fixed-point scale, the
   counter-based dither, stochastic rounding, packing and the record's metadata;
 * :func:`dequantize_scatter` -- the record's grid, unpacking and ``lo + level * step`` straight
-  into the output rows (e.g. the halo rows of the buffer a conv reads).
+  into the output rows (e.g. the halo rows of the buffer a conv reads), or added into them (the
+  halo-row gradients coming home to the rows their owner holds).
 
 Both read (write) rows at given positions and records at given byte offsets: a whole message
 in row order, or the rows of one bit-width of a mixed-width message where they lie, so the
@@ -155,16 +156,19 @@ def quantize_gather(x, index, flat, offsets, mn_out, rng_out, key, bits):  # pra
 
 @numba.njit(
     [
-        "int64(uint8[::1], int64[::1], int64, int64, int64[::1], float32[:, ::1])",
-        "int64(uint8[::1], int64[::1], int64, int64, int64[::1], float32[:, :])",
+        "int64(uint8[::1], int64[::1], int64, int64, int64[::1], float32[:, ::1], boolean)",
+        "int64(uint8[::1], int64[::1], int64, int64, int64[::1], float32[:, :], boolean)",
     ],
     cache=True, nogil=True, boundscheck=False,
 )
-def dequantize_scatter(flat, offsets, bits, d, index, out):  # pragma: no cover - compiled
+def dequantize_scatter(flat, offsets, bits, d, index, out, accumulate):  # pragma: no cover - compiled
     """Decodes the records at ``flat[offsets[i]:]`` (``bits`` bits, ``d`` values) into the rows
-    ``out[index[i]]`` (float32; contiguous rows take the vectorized specialization).  Returns
-    ``-1``, or the first record the kernel does not cover (an exact constant row or a subnormal
-    step: the caller runs the torch path)."""
+    ``out[index[i]]`` (float32; contiguous rows take the vectorized specialization), or with
+    ``accumulate`` adds them there, in record order (``index`` may repeat a row: the halo-row
+    gradients that come home to one owned row; each sum is the float32 ``out + row`` that
+    ``torch.index_add_`` forms).  Returns ``-1``, or the first record the kernel does not cover
+    (an exact constant row or a subnormal step: the caller runs the torch path, on the whole
+    call when writing, from that record on when accumulating)."""
     nbytes = (d * bits + 7) // 8
     rec = 4 + nbytes
     levels = (1 << bits) - 1
@@ -190,8 +194,12 @@ def dequantize_scatter(flat, offsets, bits, d, index, out):  # pragma: no cover 
             return i
         o = out[index[i]]
         if bits == 8:
-            for j in range(d):
-                o[j] = np.float32(np.float32(rec_i[4 + j]) * step) + lo
+            if accumulate:
+                for j in range(d):
+                    o[j] += np.float32(np.float32(rec_i[4 + j]) * step) + lo
+            else:
+                for j in range(d):
+                    o[j] = np.float32(np.float32(rec_i[4 + j]) * step) + lo
             continue
         # unpack word by word (quantize._unpack_into's multiplies), then one float loop
         if bits == 1:
@@ -210,6 +218,10 @@ def dequantize_scatter(flat, offsets, bits, d, index, out):  # pragma: no cover 
             for k in range(nbytes):
                 w = np.uint16(rec_i[4 + k])
                 w16[k] = (w | np.uint16(w << np.uint16(4))) & np.uint16(0x0F0F)
-        for j in range(d):
-            o[j] = np.float32(np.float32(lv[j]) * step) + lo
+        if accumulate:
+            for j in range(d):
+                o[j] += np.float32(np.float32(lv[j]) * step) + lo
+        else:
+            for j in range(d):
+                o[j] = np.float32(np.float32(lv[j]) * step) + lo
     return -1

@@ -28,8 +28,8 @@ __all__ = ["EncodedTransfer", "Message", "send_encoded", "send_rows"]
 
 
 class EncodedTransfer:
-    """A compressed message in flight: :meth:`wait` decodes the rows, :meth:`received` keeps
-    them encoded.  Call one of the two, once.
+    """A compressed message in flight: :meth:`wait` decodes the rows, :meth:`add_into` adds
+    them up where they go, :meth:`received` keeps them encoded.  Call one of the three, once.
 
     Like :class:`~lightning_fullgraph.comm.transport.Transfer` it refers to nothing that
     refers back to it, so the received bytes die with the last reference.
@@ -69,6 +69,12 @@ class EncodedTransfer:
             rows = self._out.copy_(rows)
         self._stats.quant_time += time.perf_counter() - t
         return rows
+
+    def add_into(self, target: Tensor, index: Tensor) -> Tensor:
+        """Waits and adds the decoded rows into ``target``, row ``i`` into ``target[index[i]]``
+        (:meth:`ReceivedRows.add_into <lightning_fullgraph.comm.codec.ReceivedRows.add_into>`;
+        decoding counted in ``quant_time``); returns ``target``."""
+        return self.received().add_into(target, index)
 
     def received(self) -> ReceivedRows:
         """Waits and returns what arrived without decoding it, a
@@ -117,12 +123,14 @@ def send_encoded(
     direction: str = "forward",
     layouts: LayoutCache | None = None,
     out: Tensor | None = None,
+    index: Tensor | None = None,
 ) -> tuple[EncodedTransfer, Tensor]:
     """Encodes ``rows`` at per-row bit-widths, starts the transfer of the bytes, and returns
     ``(handle, row ranges)``.
 
     Args:
-        rows: ``[sum(send_counts), F]`` rows, peer-contiguous (two-dimensional).
+        rows: ``[sum(send_counts), F]`` rows, peer-contiguous (two-dimensional); with
+            ``index``, ``[M, F]`` rows of which the message carries ``rows[index]``.
         bits: ``(bits of every sent row [S], bits of every received row [R])`` (uint8).
         generator: Random stream of the stochastic rounding.
         kind: The transfer's kind (:mod:`~lightning_fullgraph.comm.transport`).
@@ -131,6 +139,9 @@ def send_encoded(
             when ``None``).
         out: ``[sum(recv_counts), F]`` rows of ``rows``' dtype the received rows are decoded
             into (e.g. the halo rows of the buffer the conv reads); a new tensor when ``None``.
+        index: ``[sum(send_counts)]`` int64 rows of ``rows`` to send, read where they lie by
+            the codec (:func:`~lightning_fullgraph.comm.codec.encode_rows`): the sender's
+            ``index_select`` saved.
 
     Returns:
         The :class:`EncodedTransfer` and the ``[S]`` per-row ``max - min`` of the encoded rows
@@ -139,15 +150,18 @@ def send_encoded(
     stats = transport.stats
     send_bits, recv_bits = bits
     row_len = rows.size(1)
+    sent = rows.size(0) if index is None else index.numel()
     t0 = time.perf_counter()
     cache = layouts if layouts is not None else LayoutCache(2)
     send_layout = cache.get(send_bits, send_counts, row_len)
     recv_layout = cache.get(recv_bits, recv_counts, row_len)
-    enc = encode_rows(rows.detach().float(), send_bits, send_counts, generator=generator, layout=send_layout)
+    enc = encode_rows(
+        rows.detach().float(), send_bits, send_counts, generator=generator, layout=send_layout, index=index
+    )
     stats.quant_time += time.perf_counter() - t0
     if layer is not None:
         payload = send_layout.payload_bits
-        stats.record_message(layer, direction, rows.numel(), payload, payload + 8 * META_NBYTES * rows.size(0))
+        stats.record_message(layer, direction, sent * row_len, payload, payload + 8 * META_NBYTES * sent)
     transfer = transport.start(enc.buffer, enc.nbytes, recv_layout.nbytes, kind=kind)
     handle = EncodedTransfer(transfer, recv_bits, recv_counts, row_len, rows.dtype, stats, recv_layout, out)
     return handle, enc.rng

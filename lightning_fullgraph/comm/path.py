@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from lightning_fullgraph.comm.codec import ReceivedRows
 from lightning_fullgraph.comm.messages import Message
 from lightning_fullgraph.comm.plan import HaloPlan
 from lightning_fullgraph.comm.transport import CommStats
@@ -60,13 +61,25 @@ class Exchanger(Protocol):
         ...
 
     def launch(
-        self, rows: Tensor, layer: int | None, direction: str, kind: str = "message", out: Tensor | None = None
+        self,
+        rows: Tensor,
+        layer: int | None,
+        direction: str,
+        kind: str = "message",
+        out: Tensor | None = None,
+        index: Tensor | None = None,
     ) -> Message:
-        """Starts one message of ``rows`` (sent rows forward, halo-row gradients backward)."""
+        """Starts one message of ``rows`` (sent rows forward, halo-row gradients backward;
+        ``rows[index]`` with ``index``)."""
         ...
 
-    def add_home(self, recv: Tensor, owned: Tensor | None = None) -> Tensor:
-        """Received gradient rows ``[S, *]`` summed at their owners ``[N_r, *]`` (plus ``owned``)."""
+    def send_forward(self, x: Tensor, layer: int | None, kind: str = "message", out: Tensor | None = None) -> Message:
+        """Starts the forward message of the halo rows of ``x`` (the rows this rank owns)."""
+        ...
+
+    def add_home(self, recv: Tensor | ReceivedRows | Message, owned: Tensor | None = None) -> Tensor:
+        """Received gradient rows ``[S, *]`` (the rows, a message kept as it arrived, or one in
+        flight) summed at their owners ``[N_r, *]`` (plus ``owned``)."""
         ...
 
     def exchange_synchronous(self, x: Tensor, layer: int | None, full: bool = False) -> Tensor:

@@ -180,6 +180,7 @@ __all__ = [
     "quantize",
     "row_nbytes",
     "row_variance",
+    "uses_kernels",
     "variance_bound",
 ]
 
@@ -590,6 +591,13 @@ def prepare_codec(device: torch.device | str) -> bool:
     """Loads (or, on a first run, compiles) the CPU kernels now, so that no training epoch
     pays for it; whether ``device``'s messages will use them.  A policy that quantizes calls it
     at setup (a first compilation takes a few seconds; numba then keeps the kernels on disk)."""
+    return uses_kernels(device)
+
+
+def uses_kernels(device: torch.device | str) -> bool:
+    """Whether messages of tensors on ``device`` run the compiled kernels (``backend="auto"``),
+    which read rows where they lie and write (or add) rows where they go: a caller that would
+    gather rows for the codec, or add decoded rows up, leaves that to them when this holds."""
     return _kernels_for("auto", torch.device(device)) is not None
 
 
@@ -827,22 +835,39 @@ def quantize_scattered(
 
 
 def dequantize_scattered(
-    buffer: Tensor, offsets: Tensor, bits: int, row_len: int, index: Tensor, out: Tensor, *, backend: str = "auto"
+    buffer: Tensor,
+    offsets: Tensor,
+    bits: int,
+    row_len: int,
+    index: Tensor,
+    out: Tensor,
+    *,
+    accumulate: bool = False,
+    backend: str = "auto",
 ) -> Tensor:
     """Decodes the records at ``buffer[offsets[i]:]`` (``bits`` bits, ``row_len`` values) into
-    the rows ``out[index[i]]`` (float32 ``[R, row_len]``): the rows of one bit-width of a
-    mixed-width message, in place.  The rows are :func:`dequantize`'s.  Returns ``out``."""
+    the rows ``out[index[i]]`` (float32 ``[M, row_len]``): the rows of one bit-width of a
+    mixed-width message, in place.  The rows are :func:`dequantize`'s.  Returns ``out``.
+
+    With ``accumulate`` the rows are added instead, exactly as ``out.index_add_(0, index,
+    rows)`` adds them (record order, float32 sums; ``index`` may repeat a row), without the
+    ``[n, row_len]`` decoded rows: the halo-row gradients coming home to their owners."""
     bits = _check_bits(bits)
     n = index.numel()
     if n == 0 or row_len == 0:
         return out
     kernels = _kernels_for(backend, buffer.device)
     if kernels is not None and out.stride(1) == 1 and buffer.is_contiguous():
-        if kernels.dequantize_scatter(buffer.numpy(), offsets.numpy(), bits, row_len, index.numpy(), out.numpy()) < 0:
+        done = kernels.dequantize_scatter(
+            buffer.numpy(), offsets.numpy(), bits, row_len, index.numpy(), out.numpy(), accumulate
+        )
+        if done < 0:
             return out
+        if accumulate:  # records before `done` are added already: the torch path adds the rest
+            offsets, index, n = offsets[done:], index[done:], n - done
     records = buffer[offsets[:, None] + torch.arange(row_nbytes(row_len, bits), device=buffer.device)]
     rows = dequantize(QuantizedRows(records, bits, (n, row_len)), backend="torch")
-    return out.index_copy_(0, index, rows)
+    return out.index_add_(0, index, rows) if accumulate else out.index_copy_(0, index, rows)
 
 
 def _record_span(records: Tensor) -> tuple[Tensor, Tensor]:
@@ -932,7 +957,7 @@ def dequantize(
     if kernels is not None and out.stride(1) == 1 and q.buffer.stride(1) == 1:
         flat, offsets = _record_span(q.buffer)
         rows = torch.arange(n, dtype=torch.int64)
-        if kernels.dequantize_scatter(flat.numpy(), offsets.numpy(), bits, d, rows.numpy(), out.numpy()) < 0:
+        if kernels.dequantize_scatter(flat.numpy(), offsets.numpy(), bits, d, rows.numpy(), out.numpy(), False) < 0:
             return out
         # an exact constant row or a subnormal step: the torch path decodes the whole call
     lo, rng16 = _decode_grid(q.buffer)

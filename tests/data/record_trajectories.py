@@ -2,7 +2,8 @@
 
 ``python tests/data/record_trajectories.py`` (from the repository root) writes, per mode,
 ``trajectories/<mode>.pt`` (weights after :data:`EPOCHS` epochs on 3 ranks) and
-``trajectories/<mode>-epoch4.ckpt`` (the checkpoint after epoch 4, written by the stopped run).
+``trajectories/<mode>-epoch4.ckpt`` (the checkpoint after epoch 4, written by the stopped run);
+``python tests/data/record_trajectories.py adaqp`` re-records the modes named only.
 """
 
 from __future__ import annotations
@@ -62,9 +63,12 @@ def fit(tmp_path: Path, mode: str, *, resume: Path | None = None, checkpoint_dir
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def main() -> None:
+def main(modes: list[str]) -> None:
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise SystemExit(f"unknown mode(s) {unknown}; recorded modes: {list(MODES)}")
     RECORDS.mkdir(exist_ok=True)
-    for mode in MODES:
+    for mode in modes or MODES:
         with tempfile.TemporaryDirectory() as tmp:
             tmp_path = Path(tmp)
             torch.save(fit(tmp_path / "full", mode), RECORDS / f"{mode}.pt")
@@ -74,4 +78,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -114,6 +114,41 @@ def test_backward_allocates_one_owned_gradient() -> None:
     run_ranks(_backward_allocations, 2)
 
 
+def _compressed_allocations(rank: int, world_size: int, bits: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    data, local, plain = _setup(rank, world_size)
+    plan = local[rank].plan
+    ex = _quantized(plan, plain.transport.group, bits)
+    feats = 24
+    sizes = {plan.num_send * feats * 4}  # the [S, F] float32 rows of a rank's sent rows
+    other = {n * feats * 4 for n in (plan.num_owned, plan.num_halo, plan.num_owned + plan.num_halo)}
+    assert not sizes & other, "pick a graph whose row counts differ"
+    x = torch.randn(plan.num_owned, feats, generator=torch.Generator().manual_seed(rank)).requires_grad_(True)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        full = ex.exchange(x)
+        (full * torch.rand(full.shape, generator=torch.Generator().manual_seed(9))).sum().backward()
+    ex.begin_step(False)
+    sent_sized = [e.name for e in prof.events() if e.cpu_memory_usage in sizes]
+    assert not sent_sized, sent_sized
+    # ... and the gradient is the plain exchange's: own weights plus what came home, decoded
+    assert x.grad is not None and x.grad.shape == x.shape and bool(torch.isfinite(x.grad).all())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bits", [1, 8])
+def test_compressed_messages_never_hold_the_sent_rows_in_float(bits: int) -> None:
+    """A compressed exchange reads the sender's rows where they lie (the codec takes the send
+    index) and decodes the gradients coming home straight into the owned rows' sum: neither
+    side allocates the ``[S, F]`` float rows of the message (exact's all-to-all needs them).
+
+    Negative control (run): gathering the rows before encoding (``launch`` without ``index``,
+    the previous forward) allocates them on the sender; decoding the gradient message before
+    adding it up (``add_home(message.wait(), owned)``, the previous backward) allocates them on
+    the receiver; either fails."""
+    run_ranks(_compressed_allocations, 2, bits)
+
+
 def _fails_on_rank_one(rank: int, world_size: int) -> None:
     data, local, ex = _setup(rank, world_size)
     if rank == 1:

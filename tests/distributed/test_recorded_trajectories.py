@@ -5,7 +5,9 @@ checkpoint written after epoch 4 (stale Sylvie blocks in flight, AdaQP's bit ass
 rounding RNG, smoothing averages), both recorded by ``tests/data/record_trajectories.py``.
 First recorded before the layout of 0.6 (commit 051cc58, whose epoch-4 checkpoints stay in
 ``trajectories/v0.5/``); re-recorded for the counter-based dither and AdaQP's overlap decided
-at setup (issue 31: both MEANT to change the compressed modes' weights; exact's are unchanged).
+at setup (issue 31: both MEANT to change the compressed modes' weights; exact's are unchanged);
+``adaqp`` alone re-recorded when its mixed-width gradient messages came to be decoded straight into
+their sum, one bit-width after the other (a float32 summation order; the other modes unchanged).
 A fresh run must reproduce the weights bit for bit, and resuming the checkpoint must reach them
 too; checkpoints written by 0.5 still resume.
 

@@ -452,8 +452,10 @@ def test_locality_benchmark_compares_the_orders_on_the_same_part(tmp_path) -> No
 def test_quantizer_speed_reports_each_direction_against_the_copy_and_the_torch_path() -> None:
     """``quantizer_speed.py`` prints, for every bit-width, the codec's GB/s, both directions as
     fractions of the same run's copy, the torch path's GB/s beside them, and the wire size of
-    a row; and the generator's speed (the former dither).
-    Negative control (run): dropping the torch columns leaves 8 fields per row and fails."""
+    a row; and the generator's speed (the former dither); then a message's two ends, the
+    gather and the sum each done by the codec or not, side by side.
+    Negative control (run): dropping the torch columns leaves 8 fields per row and fails;
+    dropping the message table fails its header's assertion."""
     proc = subprocess.run(
         [sys.executable, str(RUN.parent / "quantizer_speed.py"), "--rows", "2000", "--cols", "64",
          "--repeats", "1", "--no-naive", "--timer", "cpu", "--bits", "1", "8"],
@@ -464,11 +466,19 @@ def test_quantizer_speed_reports_each_direction_against_the_copy_and_the_torch_p
     header = next(line for line in proc.stdout.splitlines() if line.split()[:1] == ["bits"])
     assert header.split() == ["bits", "q+pack", "unpack+dq", "dq(out=)", "q/copy", "dq/copy", "q", "torch",
                               "dq", "torch", "bytes/row", "vs", "fp32"]
-    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["1"], ["8"])]
+    codec, message = proc.stdout.split("# a message of 2000 rows", 1)
+    rows = [line.split() for line in codec.splitlines() if line.split()[:1] in (["1"], ["8"])]
     assert [r[0] for r in rows] == ["1", "8"]
     for r in rows:
         assert len(r) == 10 and all(float(v) > 0 for v in r[1:8])
         assert int(r[8]) == (4 + 64 * int(r[0]) // 8)
+    lines = message.splitlines()
+    assert lines[1].split() == ["bits", "gather+q", "q", "in", "place", "speedup", "dq+index_add", "dq", "into",
+                                "sum", "speedup"]
+    rows = [line.split() for line in lines[2:] if line.strip()]
+    assert [r[0] for r in rows] == ["1", "8"]
+    for r in rows:
+        assert len(r) == 7 and all(float(v.rstrip("x")) > 0 for v in r[1:])
 
 
 def _epochs(vals: list[float], seconds: float) -> dict:

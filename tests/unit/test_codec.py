@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_fullgraph.comm import codec as C
 from lightning_fullgraph.comm.codec import (
     LayoutCache,
     _decode_grouped,
     _encode_grouped,
     decode_rows,
+    decode_rows_add,
     encode_rows,
     message_layout,
     message_nbytes,
@@ -146,3 +148,62 @@ def test_decoding_into_a_given_buffer_writes_the_rows_there(mixed: bool) -> None
     assert got.data_ptr() == buffer[3:].data_ptr()
     assert torch.equal(buffer[3:], fresh)
     assert bool((buffer[:3] == -7.0).all())
+
+
+def _widths(n: int, mixed: bool, seed: int = 11) -> torch.Tensor:
+    if not mixed:
+        return torch.full((n,), 2, dtype=torch.uint8)
+    g = torch.Generator().manual_seed(seed)
+    return torch.tensor([1, 2, 4, 8], dtype=torch.uint8)[torch.randint(0, 4, (n,), generator=g)]
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_encoding_indexed_rows_gives_the_bytes_of_the_gathered_rows(mixed: bool, kernels: bool, monkeypatch) -> None:
+    """``encode_rows(x, ..., index=i)`` (the sender's owned rows and its send index, read where
+    they lie) gives the very bytes and ranges of ``encode_rows(x[i], ...)`` for the same
+    generator state, with repeated and unsorted indices, on the compiled path and on the
+    gathering fallback (``kernels=False``: other devices).
+
+    Negative control (run): composing a mixed message's width groups from the group positions
+    alone (``src = at``, forgetting ``index[at]``) encodes the wrong rows and fails; so does a
+    single-width call that skips the index."""
+    if not kernels:
+        monkeypatch.setattr(C, "uses_kernels", lambda device: False)
+    x = _rows(n=15, d=37, seed=4)
+    n = sum(COUNTS)
+    index = torch.randint(0, 15, (n,), generator=torch.Generator().manual_seed(2))
+    bits = _widths(n, mixed)
+    want = encode_rows(x.index_select(0, index), bits, COUNTS, generator=torch.Generator().manual_seed(8))
+    got = encode_rows(x, bits, COUNTS, generator=torch.Generator().manual_seed(8), index=index)
+    assert torch.equal(got.buffer, want.buffer)
+    assert got.nbytes == want.nbytes
+    assert torch.equal(got.rng, want.rng)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_decoding_into_a_sum_adds_each_width_in_turn(mixed: bool, monkeypatch) -> None:
+    """``decode_rows_add`` adds every decoded row into ``target[index[i]]`` (indices repeat: the
+    gradients of one owned row from several peers) exactly as ``index_add_`` of the decoded rows
+    does, one bit-width after the other; the compiled path (which never writes the decoded rows)
+    and the decode-first fallback agree bit for bit.
+
+    Negative control (run): the kernel writing instead of adding (``o[j] = ...`` in the
+    accumulate branch) loses the target's values and the repeats; adding the widths in another
+    order changes float32 sums and fails the bitwise comparison (mixed)."""
+    n, d = sum(COUNTS), 37
+    bits = _widths(n, mixed)
+    enc = encode_rows(_rows(d=d), bits, COUNTS, generator=torch.Generator().manual_seed(6))
+    index = torch.randint(0, 5, (n,), generator=torch.Generator().manual_seed(3))  # many repeats
+    start = _rows(n=5, d=d, seed=9)
+    rows = decode_rows(enc.buffer, bits, COUNTS, d)
+    want = start.clone()
+    for b in (1, 2, 4, 8):
+        at = (bits == b).nonzero().flatten()
+        want.index_add_(0, index[at], rows[at])
+    got = decode_rows_add(enc.buffer, bits, COUNTS, d, start.clone(), index)
+    assert torch.equal(got, want)
+    if not mixed:  # one width: exactly the decode-then-index_add of the plain exchange
+        assert torch.equal(got, torch.index_add(start, 0, index, rows))
+    monkeypatch.setattr(C, "uses_kernels", lambda device: False)
+    assert torch.equal(decode_rows_add(enc.buffer, bits, COUNTS, d, start.clone(), index), want)

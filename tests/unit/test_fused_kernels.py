@@ -192,3 +192,25 @@ def test_prepare_codec_loads_the_kernels_for_cpu_messages_only(monkeypatch) -> N
         assert Q.prepare_codec("cpu") is False
     finally:
         loader.cache_clear()
+
+
+def test_a_sum_the_kernel_leaves_half_done_is_finished_once_by_torch() -> None:
+    """Accumulating, the kernel stops at a record it does not cover (an exact constant row) with
+    the records before it already added; the torch path adds the rest, so every row is added
+    once: the sum equals the torch backend's, repeated target rows included.
+
+    Negative control (run): letting the torch path redo the whole call after the kernel stopped
+    (the write mode's recovery) adds the first rows twice and fails."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 21, generator=g)
+    x[5] = 0.1  # constant, not a bfloat16: sent in the exact constant form
+    q = quantize(x, 4, generator=g)
+    flat, offsets = Q._record_span(q.buffer)
+    index = torch.tensor([0, 1, 0, 2, 1, 3, 0, 2, 3])
+    start = torch.randn(4, 21, generator=g)
+    got = Q.dequantize_scattered(flat.contiguous(), offsets, 4, 21, index, start.clone(), accumulate=True)
+    want = Q.dequantize_scattered(
+        flat.contiguous(), offsets, 4, 21, index, start.clone(), accumulate=True, backend="torch"
+    )
+    assert torch.equal(got, want)
+    assert torch.equal(want, torch.index_add(start, 0, index, dequantize(q)))

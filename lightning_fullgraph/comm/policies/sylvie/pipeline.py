@@ -281,15 +281,18 @@ class _KeepFn(torch.autograd.Function):
         ctx.full, ctx.num_owned = full, x.size(0)
         exchanger.check_rows(x)
         # kept as received (encoded when compressed) for the asynchronous epochs that follow
-        block = exchanger.launch(x.detach().index_select(0, exchanger.plan.send_index), layer, "forward").received()
-        rows = block_rows(block)
+        block = exchanger.send_forward(x, layer).received()
         pipe = pipeline.layer(layer)
         # (float rows are this function's output: keep a detached alias, not the graph's node)
         pipeline.receive_halo(
             pipe, block.detach() if isinstance(block, Tensor) else block, pipeline.epoch, True
         )
         pipeline.record_age(layer, 0)
-        return append_halo(x, rows, full)
+        if not full or isinstance(block, Tensor):
+            return append_halo(x, block_rows(block), full)
+        buffer, halo = halo_buffer(x, exchanger.plan.num_halo)
+        block.decode(halo)  # decoded straight into the rows the conv reads
+        return buffer
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
@@ -300,7 +303,7 @@ class _KeepFn(torch.autograd.Function):
         block = message.received()
         st = ctx.pipeline
         st.receive_grad(st.layer(ctx.layer), block, st.epoch, synchronous=True)
-        return exchanger.add_home(block_rows(block), owned), None, None, None, None
+        return exchanger.add_home(block, owned), None, None, None, None
 
 
 class _StaleFn(torch.autograd.Function):
@@ -322,9 +325,7 @@ class _StaleFn(torch.autograd.Function):
             st.receive_halo(pipe, exchanger.fetch(x, layer), st.epoch, synchronous=True)
         st.check_consumable(pipe, layer, "halo rows")
         if schedule.launch:
-            pipe.fwd_pending = exchanger.launch(
-                x.detach().index_select(0, exchanger.plan.send_index), layer, "forward"
-            ).received
+            pipe.fwd_pending = exchanger.send_forward(x, layer).received
             pipe.fwd_epoch = st.epoch
         st.record_age(layer, st.epoch - pipe.halo_epoch)
         ctx.exchanger, ctx.state, ctx.schedule, ctx.layer = exchanger, st, schedule, layer
@@ -350,7 +351,7 @@ class _StaleFn(torch.autograd.Function):
                 "use mode='adaqp' (synchronous low-bit messages)"
             )
         pipe.grad_added_epoch = st.epoch
-        stale = st.grad_rows(pipe)
+        stale = pipe.grad  # kept as received: decoded straight into the sum (add_home)
         if stale is not None:
             st.check_consumable(pipe, ctx.layer, "gradients")
         exchanger.stats.backward_exchanges += 1
@@ -358,7 +359,9 @@ class _StaleFn(torch.autograd.Function):
             pipe.grad_pending = exchanger.launch(grad_halo.contiguous(), ctx.layer, "backward").received
             pipe.grad_pending_epoch = st.epoch
         if stale is not None:
-            return exchanger.add_home(stale.to(grad_halo.dtype), owned), None, None, None, None, None
+            if isinstance(stale, Tensor):
+                stale = stale.to(grad_halo.dtype)
+            return exchanger.add_home(stale, owned), None, None, None, None, None
         if owned is not None:
             return owned, None, None, None, None, None
         plan = exchanger.plan
