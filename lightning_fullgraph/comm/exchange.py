@@ -113,13 +113,8 @@ class HaloExchanger:
 
     # -- sending --------------------------------------------------------------------------
     def launch(
-        self,
-        rows: Tensor,
-        layer: int | None,
-        direction: str,
-        kind: str = "message",
-        out: Tensor | None = None,
-        index: Tensor | None = None,
+        self, rows: Tensor, layer: int | None, direction: str, kind: str = "message",
+        out: Tensor | None = None, index: Tensor | None = None,
     ) -> Message:
         """Starts one message: ``rows`` are the sent rows (forward: ``[S, F]`` in send order;
         backward: ``[H, F]`` gradients in halo order), or with ``index`` the rows

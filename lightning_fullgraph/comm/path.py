@@ -61,13 +61,8 @@ class Exchanger(Protocol):
         ...
 
     def launch(
-        self,
-        rows: Tensor,
-        layer: int | None,
-        direction: str,
-        kind: str = "message",
-        out: Tensor | None = None,
-        index: Tensor | None = None,
+        self, rows: Tensor, layer: int | None, direction: str, kind: str = "message",
+        out: Tensor | None = None, index: Tensor | None = None,
     ) -> Message:
         """Starts one message of ``rows`` (sent rows forward, halo-row gradients backward;
         ``rows[index]`` with ``index``)."""
