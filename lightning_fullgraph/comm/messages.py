@@ -28,8 +28,9 @@ __all__ = ["EncodedTransfer", "Message", "send_encoded", "send_rows"]
 
 
 class EncodedTransfer:
-    """A compressed message in flight: :meth:`wait` decodes the rows, :meth:`add_into` adds
-    them up where they go, :meth:`received` keeps them encoded.  Call one of the three, once.
+    """A compressed message in flight: :meth:`wait` decodes the rows, :meth:`received` keeps
+    them encoded (e.g. to be added up where they go, ``ReceivedRows.add_into``).  Call one of
+    the two, once.
 
     Like :class:`~lightning_fullgraph.comm.transport.Transfer` it refers to nothing that
     refers back to it, so the received bytes die with the last reference.
@@ -69,12 +70,6 @@ class EncodedTransfer:
             rows = self._out.copy_(rows)
         self._stats.quant_time += time.perf_counter() - t
         return rows
-
-    def add_into(self, target: Tensor, index: Tensor) -> Tensor:
-        """Waits and adds the decoded rows into ``target``, row ``i`` into ``target[index[i]]``
-        (:meth:`ReceivedRows.add_into <lightning_fullgraph.comm.codec.ReceivedRows.add_into>`;
-        decoding counted in ``quant_time``); returns ``target``."""
-        return self.received().add_into(target, index)
 
     def received(self) -> ReceivedRows:
         """Waits and returns what arrived without decoding it, a
