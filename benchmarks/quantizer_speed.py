@@ -91,6 +91,9 @@ def main() -> None:
     parser.add_argument("--timer", choices=["wall", "cpu"], default="wall")
     parser.add_argument("--no-naive", action="store_true", help="skip the (slow) naive reference")
     parser.add_argument("--no-message", action="store_true", help="skip the message table (gather / sum fused or not)")
+    parser.add_argument("--zero-rows", type=float, default=0.0,
+                        help="fraction of the message table's owned rows set to zero (ReLU's dead rows: "
+                             "constant rows, which need no exact form)")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
 
@@ -154,23 +157,29 @@ def main() -> None:
         line += f" {q.buffer.shape[1]:9d} {4 * args.cols / q.buffer.shape[1]:7.1f}x"
         print(line, flush=True)
     if not args.no_message:
-        message_rows(x, args.bits, rate)
+        message_rows(x, args.bits, rate, zero_rows=args.zero_rows)
 
 
-def message_rows(x: torch.Tensor, bits_list: list[int], rate: Callable[[Callable[[], object]], float]) -> None:
+def message_rows(
+    x: torch.Tensor, bits_list: list[int], rate: Callable[[Callable[[], object]], float], zero_rows: float = 0.0
+) -> None:
     """A halo message's two ends, the sent rows drawn with repeats from a third as many owned
     rows (about the 60k community graph's 15k owned and 40k sent rows per rank): the sender
     gathering ``x[index]`` and quantizing it, against the codec reading the rows in place
     (``encode_rows(..., index=)``); the receiver of a gradient message decoding it and adding
     the rows up at their owners (``index_add``), against decoding straight into the sum
-    (``decode_rows_add``).  GB/s of the message's float32 rows."""
+    (``decode_rows_add``).  GB/s of the message's float32 rows.  ``zero_rows``: the fraction
+    of owned rows set to zero (every 1/fraction-th row), as ReLU leaves some."""
     n, d = x.shape
     owned = x[: max(1, n // 3)].relu()  # activations: ReLU outputs
+    if zero_rows > 0:
+        owned[:: max(1, round(1 / zero_rows))] = 0
     gen = torch.Generator(device=x.device).manual_seed(1)
     index = torch.randint(0, owned.size(0), (n,), generator=gen, device=x.device)
     counts = [n]
     target = torch.zeros_like(owned)
-    print(f"# a message of {n} rows gathered from {owned.size(0)} (repeats allowed); GB/s of its float32 rows")
+    print(f"# a message of {n} rows gathered from {owned.size(0)} (repeats allowed; {zero_rows:.0%} of them zero); "
+          "GB/s of its float32 rows")
     print(f"{'bits':>4} {'gather+q':>9} {'q in place':>11} {'speedup':>8} {'dq+index_add':>13} {'dq into sum':>12} {'speedup':>8}")
     for bits in bits_list:
         widths = torch.full((n,), bits, dtype=torch.uint8, device=x.device)

@@ -823,11 +823,12 @@ def quantize_scattered(
             x.numpy(), index.numpy(), buffer.numpy(), offsets.numpy(), mn.numpy(), rng.numpy(), np.uint32(key), bits
         )
         if done < 0:
-            if float(rng.amin()) == 0:  # constant rows: their exact form, where it applies
-                where = offsets[:, None] + torch.arange(row_nbytes(d, bits))
-                records = buffer[where]
-                if _write_constant_rows(records, mn, rng):
-                    buffer[where] = records
+            # constant rows: their exact form, where it applies; only those records are
+            # touched (ReLU's all-zero rows are constant and common, and need no exact form)
+            idx = _exact_constant_rows(mn, rng)
+            if idx is not None:
+                head = offsets.index_select(0, idx)[:, None] + torch.arange(META_NBYTES + 1)
+                buffer[head] = _constant_heads(mn, idx)
             return rng
     q = quantize(x.index_select(0, index), bits, key=key, backend="torch")
     buffer[offsets[:, None] + torch.arange(row_nbytes(d, bits), device=dev)] = q.buffer
@@ -891,18 +892,36 @@ def _write_metadata(buf: Tensor, lo: Tensor, rbits: Tensor) -> None:
     buf[:, :META_NBYTES].copy_(word.view(torch.uint8).view(n, 4))
 
 
+def _exact_constant_rows(mn: Tensor, rng: Tensor) -> Tensor | None:
+    """The rows that are constant and whose value is not a bfloat16 (they are sent in their
+    exact form), ``[k]`` int64, or ``None`` where there are none."""
+    if mn.numel() == 0 or float(rng.amin()) > 0:  # (a min reduction is much cheaper than a bool any())
+        return None
+    exact = (rng == 0).logical_and_(mn.view(torch.int32).bitwise_and(0xFFFF) != 0)
+    if not bool(exact.any()):
+        return None
+    return torch.nonzero(exact).squeeze(1)
+
+
+def _constant_heads(mn: Tensor, idx: Tensor) -> Tensor:
+    """The first ``META_NBYTES + 1`` bytes of the exact-form records of rows ``idx``, ``[k, 5]``
+    uint8, from the value's little-endian bytes b0..b3: b2, b3 (the lo field: the value's high
+    half), b1 and the mark (the range field, :data:`_CONST_MARK` in its high byte), then b0
+    (the first data byte)."""
+    c = mn.index_select(0, idx).view(torch.uint8).view(-1, 4)  # little-endian bytes b0..b3
+    mark = torch.full_like(c[:, 0], _CONST_MARK >> 8)
+    return torch.stack([c[:, 2], c[:, 3], c[:, 1], mark, c[:, 0]], dim=1)
+
+
 def _write_constant_rows(buf: Tensor, mn: Tensor, rng: Tensor) -> bool:
     """Writes the exact form of the constant rows whose value is not a bfloat16 (over their
     grid records); whether there were any."""
-    if buf.shape[0] == 0 or float(rng.amin()) > 0:  # (a min reduction is much cheaper than a bool any())
+    if buf.shape[0] == 0:
         return False
-    exact = (rng == 0).logical_and_(mn.view(torch.int32).bitwise_and(0xFFFF) != 0)
-    if not bool(exact.any()):
+    idx = _exact_constant_rows(mn, rng)
+    if idx is None:
         return False
-    idx = torch.nonzero(exact).squeeze(1)
-    c = mn.index_select(0, idx).view(torch.uint8).view(-1, 4)  # little-endian bytes b0..b3
-    mark = torch.full_like(c[:, 0], _CONST_MARK >> 8)
-    buf[idx, 0:5] = torch.stack([c[:, 2], c[:, 3], c[:, 1], mark, c[:, 0]], dim=1)
+    buf[idx, 0 : META_NBYTES + 1] = _constant_heads(mn, idx)
     return True
 
 
