@@ -108,7 +108,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from torch import Tensor
 
 from lightning_fullgraph.comm.policies.adaqp.links import LinkCost
-from lightning_fullgraph.comm.policies.adaqp.relaxation import solve_round_relaxed
+from lightning_fullgraph.comm.policies.adaqp.relaxation import round_floor, solve_round_relaxed
 from lightning_fullgraph.comm.quantize import META_NBYTES
 
 __all__ = [
@@ -482,9 +482,8 @@ def _solve_round(
     # HiGHS measures its gap relative to |objective|; shift out what no choice changes (each
     # group's cheapest cost, the round's fastest time), so that mip_rel_gap bounds the part
     # the choice decides.  Per-group constants and a shift of Z keep the optimum.
-    cost_loc = cost_x[:, sel] - cost_x[:, sel].min(axis=0, keepdims=True)
-    z_floor = float((beta_scaled[pairs] + np.bincount(pair_loc, weights=link_loc[0], minlength=n_pairs)).max())
-    c = np.concatenate([cost_loc.reshape(-1), [cost_z]])
+    cheapest, z_floor = round_floor(cost_x[:, sel], link_loc, pair_loc, beta_scaled[pairs])
+    c = np.concatenate([(cost_x[:, sel] - cheapest[None, :]).reshape(-1), [cost_z]])
     col_x = np.arange(n_x)
     a_eq = sp.csr_matrix((np.ones(n_x), (np.tile(np.arange(n_loc), nb), col_x)), shape=(n_loc, n_var))
     a_in = sp.csr_matrix(

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["RoundSolution", "solve_round_relaxed"]
+__all__ = ["RoundSolution", "round_floor", "solve_round_relaxed"]
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,9 @@ class RoundSolution:
         return self.upper - self.lower <= rel_gap * (self.upper - self.floor)
 
 
-def _hull_increments(a: np.ndarray, c: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _hull_increments(
+    a: np.ndarray, c: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Increments along each group's lower convex hull of its ``(a_j, c_j)`` options.
 
     Args:
@@ -81,15 +83,15 @@ def _hull_increments(a: np.ndarray, c: np.ndarray) -> tuple[np.ndarray, np.ndarr
         c: option costs, float64 ``[B, L]``.
 
     Returns:
-        ``(group, to, da, dc)`` per increment, group-major and in hull order within a group:
-        the group index, the option index it moves to, its time and its gain.  An increment
-        of zero time and positive gain comes first (efficiency ``inf``); options that do not
-        lower the cost are never reached.
+        ``(group, to, da, dc, eff)`` per increment, group-major and in hull order within a
+        group: the group index, the option index it moves to, its time, its gain and its
+        efficiency ``dc / da``.  An increment of zero time and positive gain comes first
+        (efficiency ``inf``); options that do not lower the cost are never reached.
     """
     n_opt, n_grp = a.shape
     cur = np.zeros(n_grp, dtype=np.int64)
     cols = np.arange(n_grp)
-    groups, tos, das, dcs = [], [], [], []
+    groups, tos, das, dcs, effs = [], [], [], [], []
     for _ in range(n_opt - 1):
         a_cur, c_cur = a[cur, cols], c[cur, cols]
         da = a - a_cur[None, :]
@@ -109,14 +111,25 @@ def _hull_increments(a: np.ndarray, c: np.ndarray) -> tuple[np.ndarray, np.ndarr
         tos.append(nxt[moves])
         das.append(np.maximum(da[nxt[moves], g], 0.0))
         dcs.append(dc[nxt[moves], g])
+        effs.append(eff[nxt[moves], g])
         cur = np.where(moves, nxt, cur)
     if not groups:
         empty = np.zeros(0)
-        return empty.astype(np.int64), empty.astype(np.int64), empty, empty
-    group, to = np.concatenate(groups), np.concatenate(tos)
-    da, dc = np.concatenate(das), np.concatenate(dcs)
+        return empty.astype(np.int64), empty.astype(np.int64), empty, empty, empty
+    group = np.concatenate(groups)
     order = np.lexsort((np.arange(group.size), group))  # group-major, hull order kept
-    return group[order], to[order], da[order], dc[order]
+    return tuple(np.concatenate(t)[order] for t in (groups, tos, das, dcs, effs))
+
+
+def round_floor(
+    cost: np.ndarray, time: np.ndarray, pair: np.ndarray, beta: np.ndarray
+) -> tuple[np.ndarray, float]:
+    """What no choice changes in one round: every group's cheapest cost, ``[L]``, and the
+    round's least time ``max_k (beta_k + sum_{g in k} time[0, g])`` (every group at its
+    fastest option).  The floor of the objective is ``sum(cheapest) + w * least_time``; the
+    certificate here and HiGHS' gap (``milp._solve_round``) are both measured above it."""
+    load = beta.astype(np.float64) + np.bincount(pair, weights=time[0], minlength=beta.size)
+    return cost.min(axis=0), float(load.max())
 
 
 def solve_round_relaxed(
@@ -137,9 +150,7 @@ def solve_round_relaxed(
     """
     n_opt, n_grp = cost.shape
     n_pair = beta.size
-    group, to, da, dc = _hull_increments(time, cost)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        eff = np.where(da > 0, dc / np.where(da > 0, da, 1.0), np.inf)
+    group, to, da, dc, eff = _hull_increments(time, cost)
     # float noise must not let an increment overtake an earlier one of its group in the sort
     # below (increments are group-major, at most B - 1 per group)
     same = np.zeros(group.size, dtype=bool)
@@ -204,5 +215,6 @@ def solve_round_relaxed(
     for k, m in enumerate(counts):
         sl = slice(bounds[k], bounds[k] + int(m[best]))
         np.maximum.at(choice, group[sl], to[sl])
-    floor = float(cost.min(axis=0).sum()) + float(w) * z_min
+    cheapest, least_time = round_floor(cost, time, pair, beta)
+    floor = float(cheapest.sum()) + float(w) * least_time
     return RoundSolution(choice=choice, lower=lower, upper=float(obj[best]), floor=floor)
