@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 import socket
 from pathlib import Path
 
@@ -21,10 +23,46 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.distributed)
 
 
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def port_slice(worker: str) -> range:
+    """The ports :func:`free_port` hands out in pytest-xdist worker ``worker`` (``"gw0"``,
+    ``"gw1"``, ...; README's test command runs 2): disjoint slices of 10000 up to the
+    ephemeral range, one per worker (modulo 8)."""
+    index = worker.removeprefix("gw")
+    size = max(64, (_ephemeral_start() - 10000) // 8)
+    start = 10000 + (int(index) % 8 if index.isdigit() else 0) * size
+    return range(start, start + size)
+
+
+_PORTS = port_slice(os.environ.get("PYTEST_XDIST_WORKER", "gw0"))
+_next_port = itertools.count(random.Random(os.urandom(8)).randrange(len(_PORTS)))
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port for a test's ``MASTER_PORT``.
+
+    Not ``bind(0)``: that hands out a port of the kernel's ephemeral range, where the
+    outgoing connections of every process (the gloo meshes of a test running beside this one
+    in the other xdist worker, say) take theirs, so the port could be gone again before the
+    test's store binds it. The ports come from below that range instead, from this worker's
+    slice, in turn (so no port comes back while a former run's socket may linger), each
+    checked free by binding it.
+    """
+    for _ in range(len(_PORTS)):
+        port = _PORTS[next(_next_port) % len(_PORTS)]
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORTS}")
 
 
 @pytest.fixture(autouse=True)
