@@ -6,6 +6,7 @@ document names as evidence exists.
 * Every ``tests/<path>.py::<name>`` mentioned in README.md, ``docs/*.md`` and
   ``benchmarks/*.md`` names a test function that exists in that file (a parametrisation in
   brackets is checked by its function name).
+* ``.ci/run`` runs README's test command (the same pytest arguments).
 """
 
 from __future__ import annotations
@@ -103,3 +104,28 @@ def test_every_relative_link_of_the_documents_resolves() -> None:
             elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
                 broken.append(f"{doc.relative_to(REPO)}: {target} (no such anchor)")
     assert not broken, "\n".join(broken)
+
+
+def _pytest_args(command: str) -> list[str]:
+    """The arguments after ``python -m pytest`` in a shell command line."""
+    words = command.split()
+    at = next(i for i in range(len(words) - 2) if words[i].endswith("python") and words[i + 1:i + 3] == ["-m", "pytest"])
+    return [w for w in words[at + 3:] if w not in ("&&", "\\")]
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    """CI (``.ci/run``) runs the README Quickstart's test command with the same pytest
+    arguments (``-p no:cacheprovider`` aside: a clean clone has no cache to keep), so the
+    suite CI passes is the one a user runs.
+
+    Negative control (run): ``-n 2`` dropped from ``.ci/run`` only -> the lists differ."""
+    quickstart = (REPO / "README.md").read_text().split("```bash", 3)[2].split("```", 1)[0]
+    assert 'pip install -e ".[test]"' in quickstart, quickstart
+    readme = _pytest_args(quickstart)
+    ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines()
+          if "-m pytest" in line and not line.lstrip().startswith("#")]
+    assert len(ci) == 1, ci
+    ci_args = _pytest_args(ci[0])
+    assert ci_args[ci_args.index("-p"):ci_args.index("-p") + 2] == ["-p", "no:cacheprovider"], ci_args
+    del ci_args[ci_args.index("-p"):ci_args.index("-p") + 2]
+    assert sorted(ci_args) == sorted(readme), (ci_args, readme)
