@@ -237,16 +237,55 @@ def test_default_adaptor_above_the_halo_share_limit_is_reproducible(tmp_path) ->
         torch.testing.assert_close(slowed_weights[key], free_weights[key], rtol=0, atol=0)
 
 
+class _StepClock:
+    """Stands in for ``lightning_fullgraph.strategy.time``, the clock the strategy times each
+    training step with: it moves only when a model's step advances it, so the seconds the
+    seed's rule divides by are the same in every run and whatever else the machine runs (with
+    the real clock, on a loaded machine the free run's own timing noise can look like the
+    slowed run's slowdown)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+_CLOCK = _StepClock()
+
+
+class _ClockedClassifier(NodeClassifier):
+    """Every training step takes 0.125 s on :data:`_CLOCK` (a binary fraction: the sums and
+    differences of the clock's readings are exact, so every step reads exactly the same)."""
+
+    def training_step(self, batch, batch_idx):
+        _CLOCK.now += 0.125
+        return super().training_step(batch, batch_idx)
+
+
+class _SlowingClockedClassifier(NodeClassifier):
+    """Like :class:`_SlowingClassifier`, on :data:`_CLOCK`: 0.125 s a step, plus 0.0625 s
+    doubling every epoch from epoch 8 on."""
+
+    def training_step(self, batch, batch_idx):
+        _CLOCK.now += 0.125 + (0.0625 * 2 ** (self.current_epoch - 8) if self.current_epoch >= 8 else 0.0)
+        return super().training_step(batch, batch_idx)
+
+
 @pytest.mark.timeout(240)
-def test_seed_rule_reads_wall_clock_time(tmp_path) -> None:
+def test_seed_rule_reads_wall_clock_time(tmp_path, monkeypatch) -> None:
     """The negative control of the test above, kept as a test: the seed's rule
     (``epoch_adaptive=True``, the decrease per second) sees the slowed run's doubling epochs as
-    a slowdown and raises its bits at other epochs than the free run's.
+    a slowdown and raises its bits at other epochs than the free run's.  The step times come
+    from :class:`_StepClock` (the ranks are forked, so they inherit it).
 
-    Negative control: passing ``seconds=1`` to the seed's rule (as ``"epoch"`` does) makes the
-    two schedules equal."""
-    free, _ = _fit_default_sylvie(tmp_path, "free", NodeClassifier, epoch_adaptive=True)
-    slowed, _ = _fit_default_sylvie(tmp_path, "slowed", _SlowingClassifier, epoch_adaptive=True)
+    Negative control (run): passing ``seconds=1`` to the seed's rule (as ``"epoch"`` does)
+    makes the two schedules equal."""
+    import lightning_fullgraph.strategy as strategy_module
+
+    monkeypatch.setattr(strategy_module, "time", _CLOCK)
+    free, _ = _fit_default_sylvie(tmp_path, "free", _ClockedClassifier, epoch_adaptive=True)
+    slowed, _ = _fit_default_sylvie(tmp_path, "slowed", _SlowingClockedClassifier, epoch_adaptive=True)
     assert [bits for bits, _ in slowed] != [bits for bits, _ in free], (free, slowed)
 
 
