@@ -9,7 +9,8 @@ reads the parent's arrays without copying or pickling them (copy-on-write) and w
 result into an anonymous shared mapping the parent created before the fork.  The result is
 therefore exactly what the same call returns in the parent.
 
-The child runs one call with one torch thread and exits; it takes no lock the parent's other
+The child runs one call with one torch thread and exits, and never collects the garbage it
+inherited (:func:`gc.freeze`); it takes no lock the parent's other
 threads might hold at the fork beyond what numpy, torch and METIS use inside the call.  (From
 Python 3.12 on, forking a process with threads, such as torch's, raises a
 ``DeprecationWarning``, which Python hides by default.)
@@ -21,6 +22,7 @@ set minus what it shared with the parent at the fork), so callers can account fo
 
 from __future__ import annotations
 
+import gc
 import mmap
 import multiprocessing
 import os
@@ -55,6 +57,11 @@ def can_fork() -> bool:
 def _child(fn: Callable[..., Tensor], args: tuple[Any, ...], buf: mmap.mmap, length: int) -> None:
     words = np.frombuffer(buf, dtype=np.int64)
     try:
+        # Nothing the fork inherited is collected here: the child exits after one call, and
+        # collecting the parent's garbage would copy the pages the collector touches and unmap
+        # memory the parent still holds, which would hide as much of the child's own
+        # allocations from the peak below.
+        gc.freeze()
         shared_kib = status_kib("VmRSS") or 0  # what the fork left mapped, shared with the parent
         torch.set_num_threads(1)  # one core per child: the parent runs the others
         out = fn(*args)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import csv
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from torch_geometric.data import Data
 
 from tests.conftest import free_port
 from tests.helpers import NodeClassifier, cpu_trainer
+from tests.processes import run_process
 
 pytestmark = pytest.mark.timeout(180)
 REPO = Path(__file__).resolve().parents[2]
@@ -40,15 +40,7 @@ def _run(tmp_path: Path, body: str) -> str:
     )
     # a port of its own: a test runs several scripts, and one may still hold the last one's
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(free_port())}
-    proc = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=170,
-    )
+    proc = run_process([sys.executable, str(script)], cwd=tmp_path, env=env, timeout=170)
     output = proc.stdout
     assert proc.returncode == 0, output[-4000:]
     return output

@@ -28,6 +28,7 @@ from lightning_fullgraph.cli import main
 from lightning_fullgraph.cli.train import FullGraphCLI
 from lightning_fullgraph.models import GNNNodeClassifier
 from tests.conftest import REPO, free_port
+from tests.processes import run_process
 
 CONFIGS = REPO / "examples" / "configs"
 ALL_CONFIGS = sorted(CONFIGS.glob("*.yaml"))
@@ -54,12 +55,11 @@ def _user_env(tmp_path: Path) -> dict[str, str]:
 
 
 def _run_cli(args: list[str], tmp_path: Path, timeout: float = 150) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
+    proc = run_process(
         [sys.executable, "-m", "lightning_fullgraph", *args],
         cwd=tmp_path,
         env=_user_env(tmp_path),
-        capture_output=True,
-        text=True,
+        merge_stderr=False,
         timeout=timeout,
     )
     assert proc.returncode == 0, (

@@ -27,6 +27,7 @@ import pytest
 from lightning_fullgraph.cli import errors
 from lightning_fullgraph.cli.train import FullGraphCLI
 from tests.conftest import REPO, free_port
+from tests.processes import run_process
 
 SMALL_GRAPH = json.dumps({"num_nodes": 1000, "num_val": 300, "num_test": 300})
 SYLVIE_CONFIG = REPO / "examples" / "configs" / "community_sage_sylvie.yaml"
@@ -48,12 +49,11 @@ def _env(cwd: Path) -> dict[str, str]:
 
 
 def _cli(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return run_process(
         [sys.executable, "-m", "lightning_fullgraph", *args],
         cwd=cwd,
         env=_env(cwd),
-        capture_output=True,
-        text=True,
+        merge_stderr=False,
         timeout=timeout,
     )
 

@@ -25,6 +25,7 @@ import yaml
 from lightning.pytorch import Callback
 
 from tests.conftest import REPO, free_port
+from tests.processes import run_process
 
 SMALL_GRAPH = json.dumps({"num_nodes": 1000, "num_val": 300, "num_test": 300})
 QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
@@ -52,7 +53,7 @@ def _cli(args: list[str], cwd: Path, ok: bool = True, timeout: float = 120) -> s
     command = [sys.executable, "-m", "lightning_fullgraph", *args]
     if args and args[0] in ("fit", "validate", "test", "predict"):
         command += [f"--data.dataset_kwargs={SMALL_GRAPH}", *QUIET]
-    proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_process(command, cwd=cwd, env=env, merge_stderr=False, timeout=timeout)
     assert (proc.returncode == 0) == ok, (
         f"`lightning_fullgraph {' '.join(args)}` exited with {proc.returncode}\n"
         f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
 from tests.conftest import REPO
+from tests.processes import run_process
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "benchmarks").glob("*.md"))]
 TEST_REF = re.compile(r"(tests/[\w/]+\.py)((?:::\w+)?)")
@@ -43,8 +43,7 @@ def test_the_readme_example_runs_as_written(shared_datasets, tmp_path) -> None:
     script = tmp_path / "example.py"
     script.write_text(code)
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=280)
+    proc = run_process([sys.executable, str(script)], cwd=tmp_path, env=env, merge_stderr=False, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "`Trainer.fit` stopped: `max_epochs=2` reached" in proc.stderr + proc.stdout
 

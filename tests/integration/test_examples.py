@@ -21,7 +21,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -40,6 +39,7 @@ from lightning_fullgraph.data.datasets import community_graph
 from lightning_fullgraph.models import GNNNodeClassifier
 from tests.conftest import REPO, free_port
 from tests.helpers import cpu_trainer
+from tests.processes import run_process
 
 EXAMPLES = REPO / "examples"
 CONFIGS = EXAMPLES / "configs"
@@ -206,12 +206,11 @@ def _user_env(tmp_path: Path) -> dict[str, str]:
 @pytest.mark.timeout(180)
 def test_train_custom_module_script(tmp_path):
     """`python examples/train_custom_module.py` as a user runs it: 2 ranks, popen launcher."""
-    proc = subprocess.run(
+    proc = run_process(
         [sys.executable, str(EXAMPLES / "train_custom_module.py"), "--max-epochs", "3"],
         cwd=tmp_path,
         env=_user_env(tmp_path),
-        capture_output=True,
-        text=True,
+        merge_stderr=False,
         timeout=170,
     )
     assert proc.returncode == 0, f"--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-5000:]}"
