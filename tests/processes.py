@@ -1,8 +1,9 @@
 """Running a test's script in a child process, with a timeout that says where it hung.
 
-A script that runs past its timeout is stopped with ``SIGABRT``, its descendants (forked
-ranks, a forked METIS call) first, after ``PYTHONFAULTHANDLER=1`` made each of them print
-every thread's Python stack on that signal; the test then fails with those stacks.
+A script that runs past its timeout is stopped with ``SIGABRT``, then each of its descendants
+(forked ranks, a forked METIS call), one process at a time, after ``PYTHONFAULTHANDLER=1`` made
+each of them print every thread's Python stack on that signal; the test then fails with those
+stacks.
 ``subprocess.run(timeout=...)`` would SIGKILL the script only, say nothing of where it was,
 and leave its ranks to notice their launcher is gone.
 """
@@ -51,6 +52,11 @@ def _running(pid: int) -> bool:
     return stat[stat.rfind(")") + 2] != "Z"
 
 
+def _without_module_lists(text: str) -> str:
+    """``text`` without faulthandler's "Extension modules: ..." lines (a few kB each)."""
+    return "\n".join(line for line in text.splitlines() if not line.startswith("Extension modules:"))
+
+
 def _signal_all(pids: Sequence[int], signum: int) -> None:
     for pid in pids:
         try:
@@ -78,17 +84,22 @@ def run_process(
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            tree = [*descendants(proc.pid), proc.pid]
-            _signal_all(tree, signal.SIGABRT)
-            deadline = time.monotonic() + DUMP_GRACE
-            while any(_running(pid) for pid in tree) and time.monotonic() < deadline:
-                time.sleep(0.1)
+            # One at a time, so that the stacks do not interleave, the script first: a child
+            # stopped first could let its parent move on from where it hung.
+            tree = [proc.pid, *descendants(proc.pid)[::-1]]
+            for pid in tree:
+                _signal_all([pid], signal.SIGABRT)
+                deadline = time.monotonic() + DUMP_GRACE
+                while _running(pid) and time.monotonic() < deadline:
+                    time.sleep(0.05)
             _signal_all(tree, signal.SIGKILL)  # any that survived (stuck in the kernel, say)
             try:
                 out, err = proc.communicate(timeout=DUMP_GRACE)
             except subprocess.TimeoutExpired:  # a process outside the tree holds the pipe
                 out, err = "(the output could not be read)", None
-            shown = (out or "")[-20000:] + ("\n--- stderr ---\n" + err[-20000:] if err else "")
+            shown = _without_module_lists(out or "")[-40000:]
+            if err:
+                shown += "\n--- stderr ---\n" + _without_module_lists(err)[-40000:]
             pytest.fail(
                 f"{' '.join(map(str, args))} ran past {timeout:.0f} s; the Python stacks of its "
                 f"{len(tree)} processes (SIGABRT), after its output:\n{shown}",

@@ -6,9 +6,12 @@ launcher's checks before any rank starts
 (:mod:`~lightning_fullgraph.launch.guard`), each error reported once
 (:mod:`~lightning_fullgraph.launch.report`), and no rank outliving its launcher.
 
-Lightning's private names (the launcher classes subclassed here, and
-:func:`sync_module_states` for the strategy) are imported here and nowhere else, so that a
-Lightning upgrade that moves one breaks one module.
+Forked ranks also get the thread rule of :func:`one_thread_after_fork` (GNU OpenMP's thread
+pool does not survive ``fork``).
+
+Lightning's private names (the launcher classes subclassed here, its share of the cores per
+rank, and :func:`sync_module_states` for the strategy) are imported here and nowhere else, so
+that a Lightning upgrade that moves one breaks one module.
 """
 
 from __future__ import annotations
@@ -20,10 +23,13 @@ import shutil
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+import torch
+from lightning.fabric.utilities.distributed import _suggested_max_num_threads
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -43,7 +49,13 @@ from lightning_fullgraph.launch.guard import (
 )
 from lightning_fullgraph.launch.report import RUN_DIR_ENV, make_run_dir, reported_elsewhere, reporter_pid
 
-__all__ = ["FullGraphMultiprocessingLauncher", "FullGraphSubprocessLauncher", "sync_module_states"]
+__all__ = [
+    "FullGraphMultiprocessingLauncher",
+    "FullGraphSubprocessLauncher",
+    "fork_threads_warning",
+    "one_thread_after_fork",
+    "sync_module_states",
+]
 
 def sync_module_states(module: Any) -> None:
     """Broadcasts ``module``'s parameters and buffers from rank 0 (Lightning's
@@ -178,6 +190,38 @@ class _LauncherExit:
         return True
 
 
+def one_thread_after_fork(parent_threads: int, num_processes: int) -> int | None:
+    """In a rank just forked from a process that ran torch with ``parent_threads`` threads:
+    runs this rank's torch ops on one thread when that is more than one, and returns the
+    threads the rank would have run (``$OMP_NUM_THREADS``, else Lightning's share of the
+    cores) when that was more than one, else ``None``.
+
+    torch's CPU wheels use GNU OpenMP, whose thread pool does not survive ``fork``: once the
+    parent has run one multi-threaded op (loading or generating the graph, say), the pool's
+    threads exist only in the parent, and a forked rank's first multi-threaded op waits for
+    them forever (a hang with no error, in any op large enough to split).  One thread cannot
+    wait on the pool.  ``popen`` and ``spawn`` ranks start a new interpreter and keep every
+    thread they are given."""
+    if parent_threads <= 1:
+        return None
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    wanted = int(env) if env.isdigit() else _suggested_max_num_threads(num_processes)
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # (this rank only; Lightning's own rule then keeps it)
+    return wanted if wanted > 1 else None
+
+
+def fork_threads_warning(wanted: int, parent_threads: int) -> str:
+    """The warning of a forked rank held to one thread (:func:`one_thread_after_fork`)."""
+    return (
+        f"FullGraphStrategy(start_method='fork'): each rank runs torch on 1 thread, not {wanted}: "
+        f"this process ran torch on {parent_threads} threads before forking the ranks, and GNU "
+        "OpenMP's thread pool does not survive fork (a forked rank's first multi-threaded op would "
+        "hang). For more threads per rank use start_method='popen' (scripts, the default) or "
+        "'spawn', or call torch.set_num_threads(1) before this process's first torch op"
+    )
+
+
 def _timeout_seconds(strategy: Any) -> float:
     timeout = getattr(strategy, "_timeout", None)
     return timeout.total_seconds() if isinstance(timeout, timedelta) else 1800.0
@@ -266,6 +310,7 @@ class FullGraphMultiprocessingLauncher(_MultiProcessingLauncher):
         # (spawned ones would receive a pickled copy each: the ranks check it then).
         fork = self._start_method == "fork"
         _preflight(trainer, function, args, kwargs, fork, self._strategy.cluster_environment)
+        self._parent_threads = torch.get_num_threads()  # read by the forked ranks
         if self._strategy.num_processes <= 1:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         guard = ShutdownGuard(children=lambda: list(getattr(self, "procs", [])), hard_exit=False)
@@ -279,6 +324,10 @@ class FullGraphMultiprocessingLauncher(_MultiProcessingLauncher):
 
     @override
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        if self._start_method == "fork":
+            wanted = one_thread_after_fork(getattr(self, "_parent_threads", 1), self._strategy.num_processes)
+            if wanted is not None and process_idx == 0:
+                warnings.warn(fork_threads_warning(wanted, self._parent_threads), UserWarning, stacklevel=1)
         if self._strategy.num_processes <= 1:
             return super()._wrapping_function(process_idx, *args, **kwargs)
         if self._start_method != "forkserver":

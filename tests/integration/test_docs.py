@@ -125,6 +125,7 @@ def test_ci_runs_the_readme_test_command() -> None:
           if "-m pytest" in line and not line.lstrip().startswith("#")]
     assert len(ci) == 1, ci
     ci_args = _pytest_args(ci[0])
-    assert ci_args[ci_args.index("-p"):ci_args.index("-p") + 2] == ["-p", "no:cacheprovider"], ci_args
-    del ci_args[ci_args.index("-p"):ci_args.index("-p") + 2]
+    at = ci_args.index("-p")
+    assert ci_args[at : at + 2] == ["-p", "no:cacheprovider"], ci_args
+    del ci_args[at : at + 2]
     assert sorted(ci_args) == sorted(readme), (ci_args, readme)

@@ -1,0 +1,73 @@
+"""Ranks forked from a process whose torch ran on several threads: one thread each, and a
+warning, instead of a hang (GNU OpenMP's thread pool does not survive ``fork``).
+
+Each case runs as a user's script in its own Python process, so that the OpenMP pool it starts
+(or does not) is that script's alone, and the test reads its terminal output.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+from tests.processes import run_process
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
+REPO = Path(__file__).resolve().parents[2]
+
+_SCRIPT = """
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_fullgraph import FullGraphDataModule
+from tests.helpers import NodeClassifier, cpu_trainer, directed_graph
+
+
+class RecordThreads(pl.Callback):
+    def on_train_start(self, trainer, pl_module):
+        Path(sys.argv[1], f"threads-rank{trainer.global_rank}").write_text(str(torch.get_num_threads()))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(int(sys.argv[2]))
+    print("sum", float((torch.ones(4_000_000) * 2).sum()))  # multi-threaded here when argv[2] > 1
+    data = directed_graph(num_nodes=400, num_edges=4000, seed=1)
+    trainer = cpu_trainer(2, max_epochs=1, callbacks=[RecordThreads()])
+    model = NodeClassifier(in_dim=data.num_features, num_layers=2)
+    trainer.fit(model, datamodule=FullGraphDataModule(data, cache_dir=Path(sys.argv[1]) / "parts"))
+"""
+
+
+@pytest.mark.parametrize("omp_num_threads", ["2", None])
+def test_forked_ranks_of_a_multithreaded_process_run_one_thread_and_say_so(tmp_path, omp_num_threads) -> None:
+    """A script whose torch ran a two-thread op before ``trainer.fit`` forks two ranks.  With
+    ``OMP_NUM_THREADS=2`` (two threads per rank asked for) they run one thread each, the fit
+    finishes, and rank 0 warns once, naming the fix.  Without it the ranks' share of this
+    machine's 2 cores is one thread anyway: the same single thread and no warning.
+
+    Negative controls (run): without :func:`one_thread_after_fork` in the launcher the first
+    case hangs in the ranks' first multi-threaded op (the planner's indexing, in
+    ``prepare_data``) until the timeout; warning whenever the parent ran several threads
+    (not only when the ranks asked for several) fails the second case."""
+    script = tmp_path / "user_script.py"
+    script.write_text(_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(free_port())}
+    env.pop("OMP_NUM_THREADS", None)
+    if omp_num_threads is not None:
+        env["OMP_NUM_THREADS"] = omp_num_threads
+    proc = run_process([sys.executable, str(script), str(tmp_path), "2"], cwd=tmp_path, env=env, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert [int((tmp_path / f"threads-rank{r}").read_text()) for r in range(2)] == [1, 1]
+    warned = proc.stdout.count("each rank runs torch on 1 thread, not 2")
+    if omp_num_threads is not None:
+        assert warned == 1, proc.stdout[-4000:]
+        assert "start_method='popen'" in proc.stdout
+    else:
+        assert warned == 0 and "OpenMP" not in proc.stdout, proc.stdout[-4000:]
