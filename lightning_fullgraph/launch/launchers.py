@@ -217,8 +217,7 @@ def fork_threads_warning(wanted: int, parent_threads: int) -> str:
         f"FullGraphStrategy(start_method='fork'): each rank runs torch on 1 thread, not {wanted}: "
         f"this process ran torch on {parent_threads} threads before forking the ranks, and GNU "
         "OpenMP's thread pool does not survive fork (a forked rank's first multi-threaded op would "
-        "hang). For more threads per rank use start_method='popen' (scripts, the default) or "
-        "'spawn', or call torch.set_num_threads(1) before this process's first torch op"
+        "hang). For more threads per rank use start_method='popen' (scripts, the default) or 'spawn'"
     )
 
 
