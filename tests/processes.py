@@ -87,16 +87,25 @@ def run_process(
             # One at a time, so that the stacks do not interleave, the script first: a child
             # stopped first could let its parent move on from where it hung.
             tree = [proc.pid, *descendants(proc.pid)[::-1]]
+            done: tuple[str | None, str | None] | None = None
             for pid in tree:
                 _signal_all([pid], signal.SIGABRT)
                 deadline = time.monotonic() + DUMP_GRACE
                 while _running(pid) and time.monotonic() < deadline:
-                    time.sleep(0.05)
+                    if done is not None:
+                        time.sleep(0.05)
+                        continue
+                    try:  # keeps reading meanwhile: a full pipe would block the stacks' writes
+                        done = proc.communicate(timeout=0.05)
+                    except subprocess.TimeoutExpired:
+                        pass
             _signal_all(tree, signal.SIGKILL)  # any that survived (stuck in the kernel, say)
-            try:
-                out, err = proc.communicate(timeout=DUMP_GRACE)
-            except subprocess.TimeoutExpired:  # a process outside the tree holds the pipe
-                out, err = "(the output could not be read)", None
+            if done is None:
+                try:
+                    done = proc.communicate(timeout=DUMP_GRACE)
+                except subprocess.TimeoutExpired:  # a process outside the tree holds the pipe
+                    done = ("(the output could not be read)", None)
+            out, err = done
             shown = _without_module_lists(out or "")[-40000:]
             if err:
                 shown += "\n--- stderr ---\n" + _without_module_lists(err)[-40000:]

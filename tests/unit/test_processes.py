@@ -50,6 +50,43 @@ def test_a_script_past_its_timeout_fails_with_every_process_stack(tmp_path) -> N
         assert open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
+_MANY_STACKS = textwrap.dedent(
+    """
+    import threading, time
+
+    def deep(n):
+        if n:
+            return deep(n - 1)
+        time.sleep(3600)
+
+    for _ in range(60):
+        threading.Thread(target=deep, args=(90,), daemon=True).start()
+    print("started", flush=True)
+
+    def main_thread_waits_forever():
+        time.sleep(3600)
+
+    main_thread_waits_forever()
+    """
+)
+
+
+def test_stacks_larger_than_the_pipe_come_back_whole(tmp_path) -> None:
+    """61 threads, 60 of them 90 frames deep: the dump (~300 kB) is several times what a pipe
+    holds, so the runner must read while the process writes it.  The main thread, dumped
+    last, is in the message (which keeps the dump's last 40 kB).
+
+    Negative control (run): sleeping instead of reading while the process dies blocks its
+    dump on the full pipe; it is SIGKILLed and the main thread's frame is missing."""
+    script = tmp_path / "many.py"
+    script.write_text(_MANY_STACKS)
+    with pytest.raises(pytest.fail.Exception) as failed:
+        run_process([sys.executable, str(script)], timeout=5)
+    message = str(failed.value)
+    assert "in main_thread_waits_forever" in message  # the end of the dump
+    assert message.count("in deep") > 300  # (the message keeps the last 40 kB)
+
+
 def test_a_script_that_finishes_returns_its_output_and_status(tmp_path) -> None:
     """The ordinary case is ``subprocess.run``'s: output, separate stderr when asked, status.
     Negative control: returning before ``communicate`` loses the output."""
