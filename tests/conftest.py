@@ -68,13 +68,14 @@ def free_port() -> int:
 @pytest.fixture(autouse=True)
 def _isolated_distributed(monkeypatch, tmp_path):
     """Every test gets its own free MASTER_PORT and partition cache, and leaves no process
-    group behind.  ``OMP_NUM_THREADS`` is unset for each test: Lightning's launchers set it in
-    the process they run in (to the ranks' share of the cores) and never unset it, so it would
-    otherwise pass from one test of a worker to the scripts of the next, depending on the order."""
+    group behind.  ``OMP_NUM_THREADS`` and Lightning's seed variables are unset for each test:
+    Lightning's launchers set the first in the process they run in (to the ranks' share of the
+    cores), ``seed_everything`` the others, and neither unsets them, so they would otherwise
+    pass from one test of a worker to the next (and to its scripts), depending on the order."""
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     monkeypatch.setenv("LIGHTNING_FULLGRAPH_CACHE", str(tmp_path / "partitions"))
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "OMP_NUM_THREADS"):
+    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "OMP_NUM_THREADS", "PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
         monkeypatch.delenv(var, raising=False)
     torch.set_num_threads(1)
     yield
