@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from lightning_fullgraph._os import proc_start
+
 __all__ = ["descendants", "run_process"]
 
 #: Seconds the processes get to print their stacks after SIGABRT.
@@ -41,15 +43,6 @@ def descendants(pid: int) -> list[int]:
         frontier = [c for p in frontier for c in children.get(p, [])]
         found.extend(frontier)
     return found[::-1]
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2] != "Z"
 
 
 def _without_module_lists(text: str) -> str:
@@ -91,7 +84,7 @@ def run_process(
             for pid in tree:
                 _signal_all([pid], signal.SIGABRT)
                 deadline = time.monotonic() + DUMP_GRACE
-                while _running(pid) and time.monotonic() < deadline:
+                while proc_start(pid) and time.monotonic() < deadline:  # ("": gone or a zombie)
                     if done is not None:
                         time.sleep(0.05)
                         continue

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import REPO, free_port
 from tests.processes import run_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
-REPO = Path(__file__).resolve().parents[2]
 
 _SCRIPT = """
 import sys

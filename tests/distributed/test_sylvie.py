@@ -263,12 +263,13 @@ class _ClockedClassifier(NodeClassifier):
         return super().training_step(batch, batch_idx)
 
 
-class _SlowingClockedClassifier(NodeClassifier):
-    """Like :class:`_SlowingClassifier`, on :data:`_CLOCK`: 0.125 s a step, plus 0.0625 s
-    doubling every epoch from epoch 8 on."""
+class _SlowingClockedClassifier(_ClockedClassifier):
+    """Like :class:`_SlowingClassifier`, on :data:`_CLOCK`: a :class:`_ClockedClassifier`'s
+    step plus 0.0625 s doubling every epoch from epoch 8 on."""
 
     def training_step(self, batch, batch_idx):
-        _CLOCK.now += 0.125 + (0.0625 * 2 ** (self.current_epoch - 8) if self.current_epoch >= 8 else 0.0)
+        if self.current_epoch >= 8:
+            _CLOCK.now += 0.0625 * 2 ** (self.current_epoch - 8)
         return super().training_step(batch, batch_idx)
 
 
