@@ -86,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer-threads", type=int, default=2)
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--no-minibatch", action="store_true", help="run the full-graph peer only")
+    p.add_argument("--peer-stop-at-target", action="store_true",
+                   help="end each peer's run after the first epoch at or above the target (exact's runs must be "
+                   "there); its best and final are then those of the epochs it ran, and the report says so")
     p.add_argument("--name", default="convergence")
     p.add_argument("--out-dir", default=str(BENCH_DIR / "results"))
     p.add_argument("--cache-dir", default=str(BENCH_DIR / ".cache"))
@@ -209,7 +212,9 @@ def merge_ranks(out_dir: Path, ranks: int) -> dict[str, Any]:
 
 # -- the peers (one process) -------------------------------------------------------------
 def run_full_peer(data, metric: str, epochs: int, threads: int, seed: int, hidden: int, layers: int,
-                  weight_decay: float = 5e-4) -> dict[str, Any]:
+                  weight_decay: float = 5e-4, stop_at: float | None = None) -> dict[str, Any]:
+    """Single-process PyG, full graph (the sparse CSR path): one step per epoch, then validation.
+    With ``stop_at``, the run ends after the first epoch whose validation reaches it."""
     import torch
     from peer import adjacency_t, build_model, train_epoch
 
@@ -225,7 +230,13 @@ def run_full_peer(data, metric: str, epochs: int, threads: int, seed: int, hidde
         train_epoch(model, optimizer, data.x, graph, data.y, data.train_mask)
         wall = time.perf_counter() - t
         rows.append({"epoch": e, "train_s": wall, "val": _evaluate(model, data, graph, metric)})
+        if _reached(rows, stop_at):
+            return {"epochs": rows, "stopped_at_target": True}
     return {"epochs": rows}
+
+
+def _reached(rows: list[dict[str, Any]], stop_at: float | None) -> bool:
+    return stop_at is not None and rows[-1]["val"] >= stop_at
 
 
 def _evaluate(model, data, graph, metric: str) -> float:
@@ -255,8 +266,11 @@ def minibatch_unavailable() -> str | None:
 
 
 def run_minibatch_peer(data, metric: str, epochs: int, threads: int, seed: int, hidden: int, layers: int,
-                       weight_decay: float = 5e-4,
+                       weight_decay: float = 5e-4, stop_at: float | None = None,
                        batch_size: int = 1024) -> dict[str, Any]:
+    """Single-process mini-batch PyG (``NeighborLoader``, fan-outs ``FANOUTS``, ``batch_size``
+    training nodes a step), validated on the full graph after each epoch. ``stop_at`` as for
+    :func:`run_full_peer`."""
     import torch
     from peer import adjacency_t, build_model
     from torch_geometric.loader import NeighborLoader
@@ -280,6 +294,9 @@ def run_minibatch_peer(data, metric: str, epochs: int, threads: int, seed: int, 
             optimizer.step()
         wall = time.perf_counter() - t
         rows.append({"epoch": e, "train_s": wall, "val": _evaluate(model, data, full, metric)})
+        print(f"[peer-minibatch seed {seed}] epoch {e}: {wall:.1f} s, val {rows[-1]['val']:.4f}", flush=True)
+        if _reached(rows, stop_at):
+            return {"epochs": rows, "stopped_at_target": True}
     return {"epochs": rows}
 
 
@@ -353,6 +370,10 @@ def render(result: dict[str, Any], out: Path) -> None:
                          f"{f(r['epochs_to_target'], '.1f')} ({r['reached']}/{r['seeds']}) | {f(r['epochs_vs_exact'], '.2f')} | "
                          f"{f(r['seconds_to_target'], '.2f')} | {f(r['speedup_vs_exact'], '.2f')} | {f(r['epoch_s'], '.3f')} | "
                          f"{f(r['mb_per_epoch'], '.2f')} |")
+        stopped = [mode for mode, seeds in g["runs"].items() if any(r.get("stopped_at_target") for r in seeds)]
+        if stopped:
+            lines += ["", f"stopped at the target (`--peer-stop-at-target`): {', '.join(stopped)}; their best and "
+                      "final are those of the epochs they ran"]
         if g.get("minibatch_skipped"):
             lines += ["", f"mini-batch peer not run: {g['minibatch_skipped']}"]
         if g.get("peers_from"):
@@ -391,13 +412,18 @@ def peers(entry: dict[str, Any], data, metric: str, args: argparse.Namespace, se
     """Adds the peers' runs to a graph's entry (the mini-batch one where it can run; a
     full-graph peer already there is kept)."""
     runs = entry["runs"]
+    stop_at = None
+    if args.peer_stop_at_target:
+        stop_at = summarize({"exact": runs.get("exact", [])}, args.target_gap)["target"]
+        if stop_at is None:
+            raise SystemExit("--peer-stop-at-target needs exact's runs (the target is exact's best - the gap)")
     if "peer-fullgraph" not in runs:
         runs["peer-fullgraph"] = [run_full_peer(data, metric, args.epochs, args.peer_threads, s, args.hidden,
-                                                args.layers, args.weight_decay) for s in seeds]
+                                                args.layers, args.weight_decay, stop_at=stop_at) for s in seeds]
     why = "--no-minibatch was given" if args.no_minibatch else minibatch_unavailable()
     if why is None:
         runs["peer-minibatch"] = [run_minibatch_peer(data, metric, args.epochs, args.peer_threads, s, args.hidden,
-                                                     args.layers, args.weight_decay) for s in seeds]
+                                                     args.layers, args.weight_decay, stop_at=stop_at) for s in seeds]
         entry.pop("minibatch_skipped", None)
     else:
         entry["minibatch_skipped"] = why
@@ -408,6 +434,7 @@ def add_peers(args: argparse.Namespace, path: Path) -> int:
     result = json.loads(path.read_text())
     args.epochs, args.hidden, args.layers = result["epochs"], result["hidden"], result["layers"]
     args.weight_decay = result.get("weight_decay", 5e-4)  # (files from before the option: the model's default)
+    args.target_gap = result["target_gap"]
     for entry in result["graphs"]:
         data, metric = load_graph(entry["graph"], args.nodes, Path(args.cache_dir))
         peers(entry, data, metric, args, result["seeds"])

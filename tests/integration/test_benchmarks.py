@@ -521,7 +521,7 @@ def test_convergence_no_minibatch_runs_the_full_graph_peer_only(monkeypatch) -> 
     Negative control: ignoring the flag calls the mini-batch peer (here: fails the test)."""
     conv = _load("bench_convergence")
     calls = []
-    monkeypatch.setattr(conv, "run_full_peer", lambda *a: calls.append("full") or _epochs([0.1], 1.0))
+    monkeypatch.setattr(conv, "run_full_peer", lambda *a, **k: calls.append("full") or _epochs([0.1], 1.0))
     monkeypatch.setattr(conv, "minibatch_unavailable", lambda: None)
 
     def minibatch(*a):
@@ -541,10 +541,47 @@ def test_convergence_weight_decay_reaches_the_peers(monkeypatch) -> None:
     Negative control: leaving it out of the full-graph peer's call fails the assertion."""
     conv = _load("bench_convergence")
     seen = []
-    monkeypatch.setattr(conv, "run_full_peer", lambda *a: seen.append(a[-1]) or _epochs([0.1], 1.0))
+    monkeypatch.setattr(conv, "run_full_peer", lambda *a, **k: seen.append(a[-1]) or _epochs([0.1], 1.0))
     args = conv.parse_args(["--no-minibatch", "--weight-decay", "1e-3"])
     conv.peers({"runs": {}}, None, "accuracy", args, [0])
     assert seen == [1e-3]
+
+
+def test_convergence_peer_stops_at_exacts_target(monkeypatch, tmp_path) -> None:
+    """``--peer-stop-at-target``: a peer's run ends after the first epoch at or above the target
+    (exact's best - the gap, from exact's runs beside it), its epochs to target are still
+    counted, and the report says which runs stopped there. Without the flag the peer runs its
+    whole budget.
+
+    Negative controls: dropping the check in ``run_full_peer`` runs all 40 epochs (the first
+    assertion); passing ``stop_at`` as ``None`` from ``peers`` does the same; dropping the
+    report's line fails the last assertion."""
+    from tests.helpers import directed_graph
+
+    conv = _load("bench_convergence")
+    monkeypatch.syspath_prepend(str(RUN.parent))  # run_full_peer imports the benchmark's peer module
+    data = directed_graph(num_nodes=200, num_edges=20, num_features=8, seed=3)
+    data.y = (data.x[:, 0] > 0).long()  # few edges, a label from its own features: learnt in a few epochs
+    entry = {"runs": {"exact": [_epochs([0.5, 0.6, 0.65], 1.0)]}}
+    args = conv.parse_args(["--no-minibatch", "--peer-stop-at-target", "--epochs", "40", "--hidden", "16",
+                            "--layers", "2", "--target-gap", "0.05"])
+    conv.peers(entry, data, "accuracy", args, [0])
+    run = entry["runs"]["peer-fullgraph"][0]
+    assert run.get("stopped_at_target") and len(run["epochs"]) < 40
+    assert run["epochs"][-1]["val"] >= 0.6 > max(e["val"] for e in run["epochs"][:-1])
+    summary = conv.summarize(entry["runs"], 0.05)
+    assert summary["modes"]["peer-fullgraph"]["epochs_to_target"] == len(run["epochs"])
+    result = {"created": "now", "command": "c", "ranks": 4, "link": "none", "layers": 2, "hidden": 16,
+              "epochs": 40, "seeds": [0], "target_gap": 0.05,
+              "graphs": [{"graph": "g", "metric": "accuracy", "halo_share": 0.5, "runs": entry["runs"],
+                          "summary": summary}]}
+    conv.render(result, tmp_path / "r.json")
+    assert "stopped at the target (`--peer-stop-at-target`): peer-fullgraph;" in (tmp_path / "r.md").read_text()
+
+    whole = {"runs": {"exact": entry["runs"]["exact"]}}
+    conv.peers(whole, data, "accuracy", conv.parse_args(["--no-minibatch", "--epochs", "40", "--hidden", "16",
+                                                          "--layers", "2"]), [0])
+    assert len(whole["runs"]["peer-fullgraph"][0]["epochs"]) == 40
 
 
 @pytest.mark.parametrize("argv", [["--link", "calibrated"], ["--link-rate", "666mbit"]])
