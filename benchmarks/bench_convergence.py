@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -435,6 +436,8 @@ def add_peers(args: argparse.Namespace, path: Path) -> int:
     args.epochs, args.hidden, args.layers = result["epochs"], result["hidden"], result["layers"]
     args.weight_decay = result.get("weight_decay", 5e-4)  # (files from before the option: the model's default)
     args.target_gap = result["target_gap"]
+    argv = [a for a in sys.argv[1:] if a != "--convergence"]
+    result["command"] += f" ; peers: python benchmarks/run.py --convergence {shlex.join(argv)}"
     for entry in result["graphs"]:
         data, metric = load_graph(entry["graph"], args.nodes, Path(args.cache_dir))
         peers(entry, data, metric, args, result["seeds"])
