@@ -584,6 +584,66 @@ def test_convergence_peer_stops_at_exacts_target(monkeypatch, tmp_path) -> None:
     assert len(whole["runs"]["peer-fullgraph"][0]["epochs"]) == 40
 
 
+class _ChunkLoader:
+    """Stands in for ``NeighborLoader`` (which needs pyg-lib or torch-sparse): batches of
+    ``batch_size`` training nodes, each batch the whole node set with its seeds first and no
+    edges (the model then sees each node's own features)."""
+
+    def __init__(self, data, num_neighbors, input_nodes, batch_size, shuffle) -> None:
+        import torch
+
+        self.data, self.batch_size = data, batch_size
+        self.seeds = input_nodes.nonzero().view(-1)
+        self.torch = torch
+
+    def __len__(self) -> int:
+        return -(-self.seeds.numel() // self.batch_size)
+
+    def __iter__(self):
+        from torch_geometric.data import Data
+
+        torch, n = self.torch, self.data.num_nodes
+        for chunk in self.seeds.split(self.batch_size):
+            rest = torch.ones(n, dtype=torch.bool)
+            rest[chunk] = False
+            order = torch.cat([chunk, rest.nonzero().view(-1)])
+            yield Data(x=self.data.x[order], y=self.data.y[order], edge_index=torch.empty(2, 0, dtype=torch.long),
+                       batch_size=chunk.numel())
+
+
+def test_minibatch_peer_validates_inside_an_epoch(monkeypatch) -> None:
+    """``--minibatch-val-every K``: the mini-batch peer validates after every K steps and at
+    each epoch's end; each row's ``epochs_done`` is the fraction of epochs trained, which is
+    what time to target counts (and seconds per epoch divide by). With a target it stops at
+    the first row that reaches it, mid-epoch.
+
+    Negative controls: validating at epoch ends only gives rows at 1.0 and 2.0 (the first
+    assertion); ``to_target`` counting rows instead of ``epochs_done`` gives 3, not 1.2."""
+    import torch_geometric.loader
+
+    from tests.helpers import directed_graph
+
+    conv = _load("bench_convergence")
+    monkeypatch.syspath_prepend(str(RUN.parent))
+    monkeypatch.setattr(torch_geometric.loader, "NeighborLoader", _ChunkLoader)
+    data = directed_graph(num_nodes=200, num_edges=0, num_features=8, seed=3)
+    data.y = (data.x[:, 0] > 0).long()
+    steps = -(-int(data.train_mask.sum()) // 20)
+    run = conv.run_minibatch_peer(data, "accuracy", 2, 1, 0, 16, 2, batch_size=20, val_every=2)
+    done = [round(r["epochs_done"], 6) for r in run["epochs"]]
+    marks = sorted({*range(2, steps + 1, 2), steps})
+    assert done == [round(e + k / steps, 6) for e in (0, 1) for k in marks]
+    assert all(r["train_s"] > 0 for r in run["epochs"])
+    rows = [{"train_s": 1.0, "val": v, "epochs_done": d} for v, d in ((0.1, 0.4), (0.2, 0.8), (0.9, 1.2))]
+    assert conv.to_target(rows, 0.5) == (1.2, 3.0)
+    summary = conv.summarize({"exact": [_epochs([0.9], 1.0)], "peer-minibatch": [{"epochs": rows}]}, 0.4)
+    assert summary["modes"]["peer-minibatch"]["epoch_s"] == pytest.approx(3.0 / 1.2)
+
+    target = max(r["val"] for r in run["epochs"][:3])
+    stopped = conv.run_minibatch_peer(data, "accuracy", 2, 1, 0, 16, 2, batch_size=20, val_every=2, stop_at=target)
+    assert stopped["stopped_at_target"] and len(stopped["epochs"]) <= 3
+
+
 @pytest.mark.parametrize("argv", [["--link", "calibrated"], ["--link-rate", "666mbit"]])
 def test_convergence_calibrated_link_needs_its_rate(argv) -> None:
     """``--link calibrated`` (the communication-bound preset's rate) and ``--link-rate`` go
