@@ -33,6 +33,7 @@ from lightning.fabric.utilities.distributed import _suggested_max_num_threads
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_fullgraph.launch.guard import (
@@ -190,20 +191,19 @@ class _LauncherExit:
         return True
 
 
-def one_thread_after_fork(parent_threads: int, num_processes: int) -> int | None:
-    """In a rank just forked from a process that ran torch with ``parent_threads`` threads:
-    runs this rank's torch ops on one thread when that is more than one, and returns the
+def one_thread_after_fork(num_processes: int) -> int | None:
+    """In a rank just forked: runs this rank's torch ops on one thread, and returns the
     threads the rank would have run (``$OMP_NUM_THREADS``, else Lightning's share of the
     cores) when that was more than one, else ``None``.
 
     torch's CPU wheels use GNU OpenMP, whose thread pool does not survive ``fork``: once the
     parent has run one multi-threaded op (loading or generating the graph, say), the pool's
     threads exist only in the parent, and a forked rank's first multi-threaded op waits for
-    them forever (a hang with no error, in any op large enough to split).  One thread cannot
+    them forever (a hang with no error, in any op large enough to split).  That holds even
+    when the parent has set one thread since (the idle pool stays), and whether a pool was
+    ever started cannot be read, so every forked rank runs one thread: one thread cannot
     wait on the pool.  ``popen`` and ``spawn`` ranks start a new interpreter and keep every
     thread they are given."""
-    if parent_threads <= 1:
-        return None
     env = os.environ.get("OMP_NUM_THREADS", "")
     wanted = int(env) if env.isdigit() else _suggested_max_num_threads(num_processes)
     torch.set_num_threads(1)
@@ -212,12 +212,19 @@ def one_thread_after_fork(parent_threads: int, num_processes: int) -> int | None
 
 
 def fork_threads_warning(wanted: int, parent_threads: int) -> str:
-    """The warning of a forked rank held to one thread (:func:`one_thread_after_fork`)."""
+    """What rank 0 says when forked ranks are held to one thread (:func:`one_thread_after_fork`):
+    a warning where the launching process runs torch on several threads (its pool is then
+    almost surely started), an info line where it runs one (a pool from earlier is possible)."""
+    why = (
+        f"this process ran torch on {parent_threads} threads before forking the ranks"
+        if parent_threads > 1
+        else "this process may have run torch on several threads before (it runs one now)"
+    )
     return (
         f"FullGraphStrategy(start_method='fork'): each rank runs torch on 1 thread, not {wanted}: "
-        f"this process ran torch on {parent_threads} threads before forking the ranks, and GNU "
-        "OpenMP's thread pool does not survive fork (a forked rank's first multi-threaded op would "
-        "hang). For more threads per rank use start_method='popen' (scripts, the default) or 'spawn'"
+        f"{why}, and GNU OpenMP's thread pool does not survive fork (a forked rank's first "
+        "multi-threaded op would hang). For more threads per rank use start_method='popen' "
+        "(scripts, the default) or 'spawn'"
     )
 
 
@@ -324,9 +331,13 @@ class FullGraphMultiprocessingLauncher(_MultiProcessingLauncher):
     @override
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
         if self._start_method == "fork":
-            wanted = one_thread_after_fork(getattr(self, "_parent_threads", 1), self._strategy.num_processes)
+            wanted = one_thread_after_fork(self._strategy.num_processes)
             if wanted is not None and process_idx == 0:
-                warnings.warn(fork_threads_warning(wanted, self._parent_threads), UserWarning, stacklevel=1)
+                parent_threads = getattr(self, "_parent_threads", 1)
+                if parent_threads > 1:
+                    warnings.warn(fork_threads_warning(wanted, parent_threads), UserWarning, stacklevel=1)
+                else:
+                    rank_zero_info(fork_threads_warning(wanted, parent_threads))
         if self._strategy.num_processes <= 1:
             return super()._wrapping_function(process_idx, *args, **kwargs)
         if self._start_method != "forkserver":

@@ -1,5 +1,6 @@
-"""Ranks forked from a process whose torch ran on several threads: one thread each, and a
-warning, instead of a hang (GNU OpenMP's thread pool does not survive ``fork``).
+"""Forked ranks run one thread each, and say so, instead of hanging (GNU OpenMP's thread pool
+does not survive ``fork``): where the launching process runs torch on several threads, and
+where it ran several before and has set one since.
 
 Each case runs as a user's script in its own Python process, so that the OpenMP pool it starts
 (or does not) is that script's alone, and the test reads its terminal output.
@@ -34,10 +35,12 @@ class RecordThreads(pl.Callback):
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(int(sys.argv[2]))
-    print("sum", float((torch.ones(4_000_000) * 2).sum()))  # multi-threaded here when argv[2] > 1
+    threads, threads_after, ranks = map(int, sys.argv[2:5])
+    torch.set_num_threads(threads)
+    print("sum", float((torch.ones(4_000_000) * 2).sum()))  # multi-threaded here when threads > 1
+    torch.set_num_threads(threads_after)
     data = directed_graph(num_nodes=400, num_edges=4000, seed=1)
-    trainer = cpu_trainer(2, max_epochs=1, callbacks=[RecordThreads()])
+    trainer = cpu_trainer(ranks, max_epochs=1, callbacks=[RecordThreads()])
     model = NodeClassifier(in_dim=data.num_features, num_layers=2)
     trainer.fit(model, datamodule=FullGraphDataModule(data, cache_dir=Path(sys.argv[1]) / "parts"))
 """
@@ -60,7 +63,7 @@ def test_forked_ranks_of_a_multithreaded_process_run_one_thread_and_say_so(tmp_p
     env.pop("OMP_NUM_THREADS", None)
     if omp_num_threads is not None:
         env["OMP_NUM_THREADS"] = omp_num_threads
-    proc = run_process([sys.executable, str(script), str(tmp_path), "2"], cwd=tmp_path, env=env, timeout=150)
+    proc = run_process([sys.executable, str(script), str(tmp_path), "2", "2", "2"], cwd=tmp_path, env=env, timeout=150)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert [int((tmp_path / f"threads-rank{r}").read_text()) for r in range(2)] == [1, 1]
     warned = proc.stdout.count("each rank runs torch on 1 thread, not 2")
@@ -69,3 +72,24 @@ def test_forked_ranks_of_a_multithreaded_process_run_one_thread_and_say_so(tmp_p
         assert "start_method='popen'" in proc.stdout
     else:
         assert warned == 0 and "OpenMP" not in proc.stdout, proc.stdout[-4000:]
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="the rank's share of one core is one thread already")
+def test_forked_rank_of_a_process_back_on_one_thread_runs_one_thread(tmp_path) -> None:
+    """A script ran a two-thread op, set torch back to one thread, then forks one rank, whose
+    share of this machine's 2 cores is two threads.  The rank runs one thread, the fit
+    finishes, and rank 0 says so in an info line (no warning: the script runs one thread, as
+    its rank now does).
+
+    Negative control (run): applying the rule only where the launching process runs several
+    threads at launch (the rule before this test) leaves the rank on two threads, and it hangs
+    in its first multi-threaded op until the timeout (the idle pool stays in the script)."""
+    script = tmp_path / "user_script.py"
+    script.write_text(_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(free_port())}
+    env.pop("OMP_NUM_THREADS", None)
+    proc = run_process([sys.executable, str(script), str(tmp_path), "2", "1", "1"], cwd=tmp_path, env=env, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert int((tmp_path / "threads-rank0").read_text()) == 1
+    assert proc.stdout.count("each rank runs torch on 1 thread, not 2: this process may have run") == 1, proc.stdout[-4000:]
+    assert "UserWarning" not in proc.stdout, proc.stdout[-4000:]

@@ -563,8 +563,9 @@ def test_convergence_peer_stops_at_exacts_target(monkeypatch, tmp_path) -> None:
     data = directed_graph(num_nodes=200, num_edges=20, num_features=8, seed=3)
     data.y = (data.x[:, 0] > 0).long()  # few edges, a label from its own features: learnt in a few epochs
     entry = {"runs": {"exact": [_epochs([0.5, 0.6, 0.65], 1.0)]}}
+    # one thread, the conftest's: a peer sets its thread count in the process it runs in
     args = conv.parse_args(["--no-minibatch", "--peer-stop-at-target", "--epochs", "40", "--hidden", "16",
-                            "--layers", "2", "--target-gap", "0.05"])
+                            "--layers", "2", "--target-gap", "0.05", "--peer-threads", "1"])
     conv.peers(entry, data, "accuracy", args, [0])
     run = entry["runs"]["peer-fullgraph"][0]
     assert run.get("stopped_at_target") and len(run["epochs"]) < 40
@@ -580,7 +581,7 @@ def test_convergence_peer_stops_at_exacts_target(monkeypatch, tmp_path) -> None:
 
     whole = {"runs": {"exact": entry["runs"]["exact"]}}
     conv.peers(whole, data, "accuracy", conv.parse_args(["--no-minibatch", "--epochs", "40", "--hidden", "16",
-                                                          "--layers", "2"]), [0])
+                                                          "--layers", "2", "--peer-threads", "1"]), [0])
     assert len(whole["runs"]["peer-fullgraph"][0]["epochs"]) == 40
 
 
