@@ -55,6 +55,7 @@ __all__ = [
     "FullGraphSubprocessLauncher",
     "fork_threads_warning",
     "one_thread_after_fork",
+    "rank_threads",
     "sync_module_states",
 ]
 
@@ -191,6 +192,13 @@ class _LauncherExit:
         return True
 
 
+def rank_threads(num_processes: int) -> int:
+    """The torch threads a rank of ``num_processes`` on this machine asks for:
+    ``$OMP_NUM_THREADS``, else Lightning's share of the cores (at least one)."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    return int(env) if env.isdigit() else _suggested_max_num_threads(num_processes)
+
+
 def one_thread_after_fork(num_processes: int) -> int | None:
     """In a rank just forked: runs this rank's torch ops on one thread, and returns the
     threads the rank would have run (``$OMP_NUM_THREADS``, else Lightning's share of the
@@ -204,8 +212,7 @@ def one_thread_after_fork(num_processes: int) -> int | None:
     ever started cannot be read, so every forked rank runs one thread: one thread cannot
     wait on the pool.  ``popen`` and ``spawn`` ranks start a new interpreter and keep every
     thread they are given."""
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    wanted = int(env) if env.isdigit() else _suggested_max_num_threads(num_processes)
+    wanted = rank_threads(num_processes)
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"  # (this rank only; Lightning's own rule then keeps it)
     return wanted if wanted > 1 else None
