@@ -22,6 +22,8 @@ except ImportError:  # pragma: no cover - Windows
 __all__ = [
     "flock_exclusive",
     "max_rss_mib",
+    "release_free_heap",
+    "reset_peak_rss",
     "pid_alive",
     "proc_start",
     "pid_namespace",
@@ -94,6 +96,42 @@ def max_rss_mib() -> float:
         return 0.0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 2**20 if sys.platform == "darwin" else rss / 1024.0
+
+
+def release_free_heap() -> bool:
+    """Hands the C library's free heap memory back to the kernel (glibc's ``malloc_trim(0)``:
+    the whole pages of every free chunk, in every arena); ``False`` where there is no such call
+    (not glibc).
+
+    A forked child calls it before taking its resident set as a baseline: the parent's freed
+    but still resident heap chunks are mapped into the child, and an allocation the child's
+    ``malloc`` serves from them writes pages the baseline already counts (each write a
+    copy-on-write copy: new memory that the resident set does not show).  Released first, the
+    same allocation faults in fresh pages and the resident set grows by what it costs.  The
+    parent's own pages are untouched (the child only drops its mappings of them)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # pragma: no cover - musl and other C libraries
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
+
+
+def reset_peak_rss() -> bool:
+    """Resets this process's resident-set high-water mark (``VmHWM``) to its resident set now
+    (writes ``5`` to ``/proc/self/clear_refs``, Linux 4.0 on); ``False`` where that cannot be
+    done, and the mark keeps its earlier peak."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
 
 
 # -- locks ----------------------------------------------------------------------------------

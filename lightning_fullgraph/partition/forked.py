@@ -9,15 +9,19 @@ reads the parent's arrays without copying or pickling them (copy-on-write) and w
 result into an anonymous shared mapping the parent created before the fork.  The result is
 therefore exactly what the same call returns in the parent.
 
-The child runs one call with one torch thread and exits, and never collects the garbage it
-inherited (:func:`gc.freeze`); it takes no lock the parent's other
+The child runs one call with one torch thread and exits, never collects the garbage it
+inherited (:func:`gc.freeze`) and hands the free heap memory it inherited back to the kernel
+before the call (:func:`~lightning_fullgraph._os.release_free_heap`); it takes no lock the parent's other
 threads might hold at the fork beyond what numpy, torch and METIS use inside the call.  (From
 Python 3.12 on, forking a process with threads, such as torch's, raises a
 ``DeprecationWarning``, which Python hides by default.)
 
 Memory: the child's own allocations (METIS's graph and work arrays) come on top of the
 parent's; :attr:`ForkedCall.private_peak_bytes` reports them (the child's peak resident
-set minus what it shared with the parent at the fork), so callers can account for them.
+set minus what it shared with the parent at the fork, after the inherited free heap is
+released), so callers can account for them.  Pages of the parent's live objects that the
+child writes (copy-on-write copies) are not in it: the calls it serves only read their
+arguments.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_fullgraph._os import status_kib
+from lightning_fullgraph._os import release_free_heap, reset_peak_rss, status_kib
 
 __all__ = ["ForkedCall", "can_fork"]
 
@@ -62,6 +66,10 @@ def _child(fn: Callable[..., Tensor], args: tuple[Any, ...], buf: mmap.mmap, len
         # memory the parent still holds, which would hide as much of the child's own
         # allocations from the peak below.
         gc.freeze()
+        # The parent's freed heap chunks are still resident here; an allocation served from
+        # them would copy pages the baseline counts, and the peak would miss it.
+        if release_free_heap():
+            reset_peak_rss()  # the peak so far counts the pages just released
         shared_kib = status_kib("VmRSS") or 0  # what the fork left mapped, shared with the parent
         torch.set_num_threads(1)  # one core per child: the parent runs the others
         out = fn(*args)
