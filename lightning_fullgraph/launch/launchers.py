@@ -53,7 +53,7 @@ from lightning_fullgraph.launch.report import RUN_DIR_ENV, make_run_dir, reporte
 __all__ = [
     "FullGraphMultiprocessingLauncher",
     "FullGraphSubprocessLauncher",
-    "fork_threads_warning",
+    "fork_threads_message",
     "one_thread_after_fork",
     "rank_threads",
     "sync_module_states",
@@ -218,7 +218,7 @@ def one_thread_after_fork(num_processes: int) -> int | None:
     return wanted if wanted > 1 else None
 
 
-def fork_threads_warning(wanted: int, parent_threads: int) -> str:
+def fork_threads_message(wanted: int, parent_threads: int) -> str:
     """What rank 0 says when forked ranks are held to one thread (:func:`one_thread_after_fork`):
     a warning where the launching process runs torch on several threads (its pool is then
     almost surely started), an info line where it runs one (a pool from earlier is possible)."""
@@ -342,9 +342,9 @@ class FullGraphMultiprocessingLauncher(_MultiProcessingLauncher):
             if wanted is not None and process_idx == 0:
                 parent_threads = getattr(self, "_parent_threads", 1)
                 if parent_threads > 1:
-                    warnings.warn(fork_threads_warning(wanted, parent_threads), UserWarning, stacklevel=1)
+                    warnings.warn(fork_threads_message(wanted, parent_threads), UserWarning, stacklevel=1)
                 else:
-                    rank_zero_info(fork_threads_warning(wanted, parent_threads))
+                    rank_zero_info(fork_threads_message(wanted, parent_threads))
         if self._strategy.num_processes <= 1:
             return super()._wrapping_function(process_idx, *args, **kwargs)
         if self._start_method != "forkserver":

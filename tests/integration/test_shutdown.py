@@ -19,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from lightning_fullgraph._os import proc_start
 from lightning_fullgraph.launch.guard import GRACE
 from tests.conftest import REPO, free_port
+from tests.processes import descendants
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc and POSIX signals")
 
@@ -88,28 +90,8 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-
-
-def _descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
+    """Whether ``pid`` still runs (a zombie does not)."""
+    return bool(proc_start(pid))
 
 
 def _wait_for(path: Path, run: Run, timeout: float = 90) -> None:
@@ -136,7 +118,7 @@ class Run:
 
     def record_processes(self) -> None:
         """Every process of the run so far: the launcher, its ranks and what they started."""
-        self.processes |= {self.proc.pid, *_descendants(self.proc.pid)}
+        self.processes |= {self.proc.pid, *descendants(self.proc.pid)}
         self.processes |= {int(p.read_text()) for p in self.tmp_path.glob("rank[0-9]") if p.read_text()}
 
     def wait(self, timeout: float) -> int | None:
