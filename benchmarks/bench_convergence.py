@@ -101,6 +101,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--render", help="redraw the .md/.png of a results .json")
     p.add_argument("--add-peers", help="run the peers for the graphs of a results .json (e.g. from an environment "
                    "with torch-sparse for the mini-batch peer) and rewrite it with them")
+    p.add_argument("--merge", metavar="A.json,B.json,...",
+                   help="combine results files of the same settings (ranks, link, budget, model, gap; each graph's "
+                   "partition) into <out-dir>/<name>: each (graph, run, seed) taken from the one file that has it; "
+                   "the target and means are recomputed over all of them")
     return p.parse_args(argv)
 
 
@@ -372,6 +376,11 @@ def render(result: dict[str, Any], out: Path) -> None:
              f"{100 * result['target_gap']:.1f} pt (mean over seeds); epochs and seconds to target are means over "
              "the seeds that reached it (how many in brackets); seconds = training steps only (slowest rank), "
              "not validation; the peers run in one process.", ""]
+    if result.get("merged_from"):
+        # seconds are only comparable within one run of this shared host
+        lines += [f"Merged from {', '.join(result['merged_from'])} (`--merge`): runs from different files ran at "
+                  "different times on a shared host, so their seconds compare only roughly; epochs and accuracy "
+                  "do not depend on it.", ""]
     for g in result["graphs"]:
         s = g["summary"]
         lines += [f"## {g['graph']} ({g['metric']}; halo share of aggregation inputs {100 * g['halo_share']:.1f} %)", "",
@@ -466,6 +475,63 @@ def add_peers(args: argparse.Namespace, path: Path) -> int:
     return 0
 
 
+#: settings two results files must share for their runs to sit in one table
+MERGE_KEYS = ("ranks", "link", "epochs", "hidden", "layers", "weight_decay", "target_gap")
+
+
+def _seeded(runs: list[dict[str, Any]], seeds: list[int]) -> list[dict[str, Any]]:
+    """The runs with their seeds (files written before runs carried one list them in ``seeds`` order)."""
+    return [dict(r, seed=r.get("seed", s)) for r, s in zip(runs, seeds, strict=True)]
+
+
+def merge_results(results: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """One result from several with the same settings (:data:`MERGE_KEYS`): per graph, the union
+    of the runs, each (run, seed) from the one file that has it, sorted by seed; the summary is
+    recomputed (so the target is exact's mean best over every exact seed there is).
+
+    Raises:
+        SystemExit: the files differ in a setting, a graph's halo share (another partition), or
+            hold the same (graph, run, seed) twice.
+    """
+    def setting(r: dict[str, Any], key: str) -> Any:
+        # files from before --weight-decay trained with the model's default
+        return r.get(key, 5e-4 if key == "weight_decay" else None)
+
+    first = results[0]
+    for name, r in zip(names[1:], results[1:]):
+        for key in MERGE_KEYS:
+            if setting(r, key) != setting(first, key):
+                raise SystemExit(f"--merge: {name} has {key}={setting(r, key)!r}, {names[0]} "
+                                 f"{setting(first, key)!r}; only runs of the same settings share a table")
+    graphs: dict[str, dict[str, Any]] = {}
+    for name, r in zip(names, results):
+        for g in r["graphs"]:
+            entry = graphs.setdefault(g["graph"], {"graph": g["graph"], "metric": g["metric"],
+                                                   "halo_share": g["halo_share"], "runs": {}, "from": name})
+            if abs(entry["halo_share"] - g["halo_share"]) > 1e-9:
+                raise SystemExit(f"--merge: {g['graph']} has halo share {g['halo_share']:.6f} in {name} and "
+                                 f"{entry['halo_share']:.6f} in {entry['from']}: not the same partition")
+            for key in ("minibatch_skipped", "peers_from"):
+                if key in g:
+                    entry[key] = g[key]
+            for mode, runs in g["runs"].items():
+                have = entry["runs"].setdefault(mode, [])
+                for run in _seeded(runs, r["seeds"]):
+                    if any(h["seed"] == run["seed"] for h in have):
+                        raise SystemExit(f"--merge: {g['graph']}/{mode}/seed {run['seed']} is in more than one file")
+                    have.append(run)
+    for entry in graphs.values():
+        del entry["from"]
+        for runs in entry["runs"].values():
+            runs.sort(key=lambda run: run["seed"])
+        entry["summary"] = summarize(entry["runs"], first["target_gap"])
+    seeds = sorted({run["seed"] for e in graphs.values() for runs in e["runs"].values() for run in runs})
+    return {**{k: setting(first, k) for k in MERGE_KEYS}, "seeds": seeds,
+            "created": ", ".join(r["created"] for r in results),
+            "command": " ; ".join(r["command"] for r in results), "merged_from": names,
+            "graphs": list(graphs.values())}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -477,6 +543,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.add_peers:
         return add_peers(args, Path(args.add_peers))
+    if args.merge:
+        paths = [Path(x) for x in args.merge.split(",") if x]
+        merged = merge_results([json.loads(x.read_text()) for x in paths], [x.name for x in paths])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps(merged, indent=1))
+        render(merged, out)
+        print(out.with_suffix(".md").read_text())
+        return 0
     from lightning_fullgraph import FullGraphDataModule
 
     if (args.link == "calibrated") != (args.link_rate is not None):
@@ -504,6 +578,8 @@ def main(argv: list[str] | None = None) -> int:
         share = halo_share(dm.partition_result.folder, args.ranks)
         print(f"[{graph}] halo share {share:.3f}", flush=True)
         runs: dict[str, list[dict[str, Any]]] = {}
+        entry: dict[str, Any] = {"graph": graph, "metric": metric, "halo_share": share, "runs": runs}
+        result["graphs"].append(entry)
         for mode in modes:
             for seed in seeds:
                 work = Path(tempfile.mkdtemp(prefix=f"conv-{graph}-{mode}-"))
@@ -522,21 +598,25 @@ def main(argv: list[str] | None = None) -> int:
                 if proc.returncode != 0:
                     raise SystemExit(f"{graph}/{mode}/seed {seed} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
                 rec = merge_ranks(work, args.ranks)
-                rec["wall_s"] = time.perf_counter() - t0
+                rec["wall_s"], rec["seed"] = time.perf_counter() - t0, seed
                 runs.setdefault(mode, []).append(rec)
                 vals = [e["val"] for e in rec["epochs"] if e["val"] is not None]
                 print(f"[{graph}] {mode} seed {seed}: best {max(vals):.4f} final {vals[-1]:.4f} "
                       f"({rec['wall_s']:.0f} s)", flush=True)
-        entry: dict[str, Any] = {"graph": graph, "metric": metric, "halo_share": share, "runs": runs}
+                # after every run, so an interrupted study keeps what it measured (--merge joins studies)
+                _save(result, entry, out)
         if not args.no_peers:
             peers(entry, data, metric, args, seeds)
-        entry["summary"] = summarize(runs, args.target_gap)
-        result["graphs"].append(entry)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-        render(result, out)
+        _save(result, entry, out)
     print(out.with_suffix(".md").read_text())
     return 0
+
+
+def _save(result: dict[str, Any], entry: dict[str, Any], out: Path) -> None:
+    entry["summary"] = summarize(entry["runs"], result["target_gap"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    render(result, out)
 
 
 if __name__ == "__main__":

@@ -88,3 +88,11 @@ def shared_datasets() -> Path:
     if not SHARED_DATASETS.is_dir():
         pytest.skip(f"offline datasets not found at {SHARED_DATASETS} (expected ../shared/datasets beside the repo)")
     return SHARED_DATASETS
+
+
+def pytest_addoption(parser, pluginmanager) -> None:
+    """pyproject's ``addopts`` carry ``--dist=loadfile`` for pytest-xdist (the ``test`` extra);
+    where the plugin is absent or disabled (``-p no:xdist``) the option is accepted and means
+    nothing, so a plain ``pytest`` still runs, serially."""
+    if not pluginmanager.has_plugin("xdist"):
+        parser.addoption("--dist", default="no", help="ignored: pytest-xdist is not active")

@@ -515,6 +515,91 @@ def test_convergence_summary_counts_time_to_target_over_the_seeds_that_reach_it(
     assert "peers' runs taken from an earlier file" in report
 
 
+def test_convergence_merge_recomputes_the_target_over_every_files_runs(tmp_path) -> None:
+    """``--merge``: runs from files of the same settings share one table; each (run, seed) comes
+    from the file that has it, the target is exact's mean best over every exact seed, and the
+    report says the files' seconds were measured apart. Different settings, another partition
+    (halo share) or a (run, seed) in two files stop it with the reason.
+
+    Negative controls: keeping only the first file's runs leaves adaqp out (first assertion);
+    computing the target from the first file's exact seed alone gives 0.85, not 0.75; not
+    checking the settings merges the 200-epoch file; dropping the report's line fails the
+    ``Merged from`` assertion."""
+    conv = _load("bench_convergence")
+
+    def result(runs, seeds, **kw):
+        return {"created": "t", "command": "c", "ranks": 4, "link": "none", "layers": 3, "hidden": 8,
+                "epochs": 3, "seeds": seeds, "target_gap": 0.05, "weight_decay": 5e-4, **kw,
+                "graphs": [{"graph": "g", "metric": "accuracy", "halo_share": 0.5, "runs": runs}]}
+
+    a = result({"exact": [_epochs([0.5, 0.8, 0.9], 2.0)], "sylvie": [_epochs([0.6, 0.89, 0.895], 0.5)]}, [0])
+    b = result({"exact": [_epochs([0.5, 0.7, 0.8], 2.0), _epochs([0.5, 0.6, 0.7], 2.0)], "adaqp": [_epochs([0.5, 0.86, 0.87], 1.0),
+                                                                    _epochs([0.5, 0.6, 0.84], 1.0)]}, [1, 2])
+    for path, r in (("a.json", a), ("b.json", b)):
+        (tmp_path / path).write_text(json.dumps(r))
+    assert conv.main(["--merge", f"{tmp_path / 'a.json'},{tmp_path / 'b.json'}", "--out-dir", str(tmp_path),
+                      "--name", "m"]) == 0
+    merged = json.loads((tmp_path / "m.json").read_text())
+    g = merged["graphs"][0]
+    assert [r["seed"] for r in g["runs"]["adaqp"]] == [1, 2] and [r["seed"] for r in g["runs"]["exact"]] == [0, 1, 2]
+    assert merged["seeds"] == [0, 1, 2]
+    assert g["summary"]["target"] == pytest.approx(0.75)
+    assert g["summary"]["modes"]["adaqp"]["epochs_to_target"] == pytest.approx(2.5)
+    report = (tmp_path / "m.md").read_text()
+    assert "Merged from a.json, b.json (`--merge`)" in report and "| adaqp | 0.8550 |" in report
+
+    def fails(other, why):
+        (tmp_path / "o.json").write_text(json.dumps(other))
+        with pytest.raises(SystemExit, match=why):
+            conv.merge_results([a, other], ["a.json", "o.json"])
+
+    fails(dict(b, epochs=200), "epochs=200")
+    fails(dict(b, graphs=[dict(b["graphs"][0], halo_share=0.4)]), "not the same partition")
+    fails(result({"sylvie": [_epochs([0.1], 1.0)]}, [0]), "g/sylvie/seed 0 is in more than one file")
+
+
+def test_convergence_keeps_each_finished_run_when_a_later_one_fails(monkeypatch, tmp_path) -> None:
+    """A study writes its results file after every run, with the run's seed: a later run that
+    fails (or is killed) leaves the finished ones on disk for ``--merge``.
+
+    Negative control: writing the file only after a graph's last run (the former code) leaves
+    no file when the second run fails (the first assertion)."""
+    import subprocess as sp
+    from types import SimpleNamespace
+
+    import lightning_fullgraph
+
+    conv = _load("bench_convergence")
+
+    class Partitioned:  # the study's data module, as far as main reads it (no partitioning here)
+        def __init__(self, *args, **kwargs) -> None:
+            self.partition_result = SimpleNamespace(folder=tmp_path)
+
+        def prepare_data(self) -> None:
+            pass
+
+    monkeypatch.setattr(lightning_fullgraph, "FullGraphDataModule", Partitioned)
+    monkeypatch.setattr(conv, "load_graph", lambda name, nodes, cache: (None, "accuracy"))
+    monkeypatch.setattr(conv, "halo_share", lambda folder, parts: 0.5)
+    calls = []
+
+    def fake_run(cmd, **kwargs):  # stands in for one distributed run: its ranks' files, then exit
+        spec = json.loads(Path(cmd[-1]).read_text())
+        calls.append(spec["seed"])
+        for r in range(spec["ranks"]):
+            epochs = [{"epoch": 0, "train_s": 1.0, "bytes_sent": 8, "sync": True, "val": 0.5, "train_loss": 1.0}]
+            (Path(spec["out_dir"]) / f"rank{r}.json").write_text(json.dumps({"rank": r, "epochs": epochs}))
+        return sp.CompletedProcess(cmd, 0 if len(calls) == 1 else 1, "", "killed")
+
+    monkeypatch.setattr(conv.subprocess, "run", fake_run)
+    with pytest.raises(SystemExit, match="seed 1 failed"):
+        conv.main(["--graphs", "lowloc", "--modes", "exact", "--seeds", "0,1", "--ranks", "2", "--no-peers",
+                   "--out-dir", str(tmp_path), "--name", "part", "--cache-dir", str(tmp_path / "cache")])
+    saved = json.loads((tmp_path / "part.json").read_text())
+    assert [r["seed"] for r in saved["graphs"][0]["runs"]["exact"]] == [0]
+    assert "| exact | 0.5000 |" in (tmp_path / "part.md").read_text()
+
+
 def test_convergence_no_minibatch_runs_the_full_graph_peer_only(monkeypatch) -> None:
     """``--no-minibatch`` runs the full-graph peer and records why the mini-batch one did not run.
 
