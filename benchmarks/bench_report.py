@@ -19,6 +19,7 @@ Reports written before the per-mode bounds existed (mode ``compute-only``) rende
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
@@ -368,6 +369,86 @@ def speedup_table(report: dict[str, Any], section: str = "main") -> str:
                      + f"| {run['graph_label']} | {run['ranks']} | "
                      f"{_f(exact['summary']['epoch_time'] if exact else None)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+#: two-sided 95 % quantiles of Student's t by degrees of freedom 1-30 (beyond: the normal's 1.96)
+T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+       2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def round_medians(summary: dict[str, Any], key: str = "epoch_time") -> list[float]:
+    """Per round (``--repeat``), the median of ``key`` over that round's measured epochs, in
+    round order."""
+    by_round: dict[int, list[float]] = {}
+    for row in summary.get("per_epoch") or []:
+        if row.get(key) is not None:
+            by_round.setdefault(row["repeat"], []).append(row[key])
+    return [statistics.median(by_round[k]) for k in sorted(by_round)]
+
+
+def paired_ratio(mode_summary: dict[str, Any], base_summary: dict[str, Any],
+                 key: str = "epoch_time") -> dict[str, Any] | None:
+    """A mode against a baseline round by round: each round's median of ``key`` over the same
+    round's median of the baseline, then the mean of those ratios and its 95 % confidence
+    interval (Student's t over rounds).
+
+    Pairing by round removes what moves both runs of a round alike (this host's speed drifts
+    by 10-50 % over an hour; the runner reverses the order of the modes every other round), so
+    the interval is about the ratio, not the host. ``None`` with fewer than two rounds on
+    either side, or unequal counts (a failed round: the pairs would not be the same rounds)."""
+    mode, base = round_medians(mode_summary, key), round_medians(base_summary, key)
+    if len(mode) != len(base) or len(mode) < 2 or not all(base):
+        return None
+    ratios = [m / b for m, b in zip(mode, base)]
+    n = len(ratios)
+    mean = statistics.fmean(ratios)
+    half = (T95[n - 2] if n - 1 <= len(T95) else 1.96) * statistics.stdev(ratios) / math.sqrt(n)
+    return {"ratios": ratios, "rounds": n, "mean": mean, "low": mean - half, "high": mean + half}
+
+
+def paired_rows(report: dict[str, Any], section: str = "main") -> list[dict[str, Any]]:
+    """:func:`paired_ratio` of every mode against exact and every bound against exact-bound
+    (same group, graph and rank count), on wall time and on the main thread's CPU time."""
+    rows = []
+    for run in _runs(report, section):
+        mode = _mode(run)
+        base_mode = "exact-bound" if is_bound(mode) else "exact"
+        if mode == base_mode or run.get("error"):
+            continue
+        base = _find(report, section, run["graph_key"], run["ranks"], base_mode, _group(run))
+        if base is None or base.get("error"):
+            continue
+        wall = paired_ratio(run["summary"], base["summary"])
+        if wall is None:
+            continue
+        rows.append({"run": run, "base": base_mode, "wall": wall,
+                     "cpu": paired_ratio(run["summary"], base["summary"], "cpu_main_thread")})
+    return rows
+
+
+def paired_table(report: dict[str, Any], section: str = "main") -> str:
+    with_group = len(_groups(report, section)) > 1
+    lines = [("| setting " if with_group else "") + "| graph | ranks | mode | against | rounds | wall: mean [95 % CI] "
+             "| main-thread CPU: mean [95 % CI] | wall, round by round |",
+             ("|---" if with_group else "") + "|---|---:|---|---|---:|---|---|---|"]
+
+    def ci(r: dict[str, Any] | None) -> str:
+        return "–" if r is None else f"{r['mean']:.3f}x [{r['low']:.3f}, {r['high']:.3f}]"
+
+    for row in paired_rows(report, section):
+        lines.append(f"| {_label(row['run'], with_group)} | {row['base']} | {row['wall']['rounds']} | "
+                     f"{ci(row['wall'])} | {ci(row['cpu'])} | "
+                     + ", ".join(f"{x:.2f}" for x in row["wall"]["ratios"]) + " |")
+    return "\n".join(lines)
+
+
+PAIRED_NOTES = (
+    "Each round ran every configuration once (the order reversed every other round); a round's "
+    "ratio is the mode's median epoch over the same round's median epoch of `exact` (for a bound: "
+    "`exact-bound`). The interval is Student's t over the rounds' ratios: a ratio goal is shown met "
+    "when the interval's top is below it, missed when its bottom is above it, and undecided otherwise. "
+    "Main-thread CPU leaves out the time a rank waits for a core (4 ranks share 2 here)."
+)
 
 
 def phase_table(report: dict[str, Any], section: str = "main") -> str:
@@ -775,6 +856,9 @@ def markdown(report: dict[str, Any], png_name: str | None) -> str:
             lines += ["† no bound of this mode in the run: shown against exact-bound, which does not run this "
                       "mode's compute path (old results: `compute-only` = exact-bound).", ""]
         lines += ["## Speedup over exact (median epoch)", "", speedup_table(report, "main"), ""]
+        if paired_rows(report, "main"):
+            lines += ["## Round by round (paired ratios over `--repeat` rounds)", "", paired_table(report, "main"), "",
+                      PAIRED_NOTES, ""]
         goals = goal_lines(report)
         if goals:
             lines += ["Goals:", "", *goals, ""]

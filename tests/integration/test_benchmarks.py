@@ -281,6 +281,43 @@ def test_report_flags_mode_faster_than_its_bound() -> None:
     assert "FASTER THAN" not in report_mod.markdown(slow, None)
 
 
+def test_paired_rounds_see_through_a_drift_that_moves_both_runs_of_a_round() -> None:
+    """``--repeat`` rounds give each mode's ratio to exact (a bound's: to exact-bound) round by
+    round, with a 95 % interval over the rounds: the host's speed drifting between rounds (here
+    1.0x to 1.8x) moves both runs of a round alike and drops out, so a 1.05x mode is told apart
+    from the 1.10x line; unequal round counts (a failed round) give no pairing.
+
+    Negative control: pairing each round with another round's baseline (``round_medians`` of
+    the baseline reversed) gives an interval far wider than the 1.10x line ([0.23, 2.09]: fails)."""
+    report_mod = _load("bench_report")
+    drift = (1.0, 1.5, 1.2, 1.8)  # the host, round by round
+    noise = (0.0, 0.01, -0.01, 0.005)
+
+    def result(scale: float, jitter: tuple) -> list[dict]:
+        out = []
+        for k, f in enumerate(drift):
+            times = [f * scale * (1 + jitter[k]) * x for x in (1.0, 1.01, 0.99)]
+            out.append({"ranks": [{"memory": {}, "epochs": [{"epoch": e, "epoch_time": t, "cpu_main_thread": 0.5 * t}
+                                              for e, t in enumerate(times)]}]})
+        return out
+
+    def run(mode: str, results: list[dict]) -> dict:
+        return {"section": "main", "graph_key": "g", "graph_label": "g", "mode": mode, "ranks": 4,
+                "summary": report_mod.summarize(results, warmup=0)}
+
+    report = {"name": "r", "config": {"repeat": 4}, "runs": [
+        run("exact-bound", result(1.0, (0.0,) * 4)), run("adaqp-bound", result(1.05, noise)),
+        run("sylvie-bound", result(1.05, noise)[:3])]}
+    rows = report_mod.paired_rows(report)
+    assert [r["run"]["mode"] for r in rows] == ["adaqp-bound"]  # sylvie-bound: 3 rounds against 4, no pairing
+    wall = rows[0]["wall"]
+    assert wall["rounds"] == 4 and wall["mean"] == pytest.approx(1.05 * (1 + sum(noise) / 4))
+    assert 1.0 < wall["low"] < wall["mean"] < wall["high"] < 1.10
+    assert rows[0]["cpu"]["mean"] == pytest.approx(wall["mean"])
+    table = report_mod.paired_table(report)
+    assert f"| g | 4 | adaqp-bound | exact-bound | 4 | {wall['mean']:.3f}x [" in table
+
+
 def test_peer_edge_index_and_sparse_logits_match() -> None:
     """The peer's sparse input (``torch.sparse_csr`` adj_t, rows = destinations; for GCN also
     with ``cached=True``) gives the same logits as ``edge_index`` for the GCN and SAGE models the
