@@ -141,6 +141,21 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-")
 
 
+def run_strategy_kwargs(args: argparse.Namespace, mode: str) -> dict[str, Any]:
+    """The strategy keywords a benchmark run adds for ``mode`` (its variant's own settings come
+    from ``bench_modes``): the seed; adaptive bits' schedule (first assignment at
+    ``args.first_assign``, default ``args.assign_every``) and link costs; Sylvie's staleness."""
+    from bench_modes import VARIANT_SETTINGS, base_mode, unbound
+
+    kwargs: dict[str, Any] = {"seed": args.seed}
+    if base_mode(mode) == "adaqp" or VARIANT_SETTINGS[unbound(mode)].get("bits") == "adaptive":
+        kwargs.update(first_assign=getattr(args, "first_assign", None) or args.assign_every,
+                      assign_every=args.assign_every, link_costs=args.link_costs)
+    if base_mode(mode) == "sylvie":
+        kwargs.update(staleness=args.staleness)
+    return kwargs
+
+
 def run_config(args: argparse.Namespace, cfg: dict[str, Any], run_root: Path, index: int) -> dict[str, Any]:
     section, graph, mode, ranks = cfg["section"], cfg["graph"], cfg["mode"], cfg["ranks"]
     warmup, epochs, repeat = cfg["warmup"], cfg["epochs"], cfg["repeat"]
@@ -150,14 +165,9 @@ def run_config(args: argparse.Namespace, cfg: dict[str, Any], run_root: Path, in
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    from bench_modes import VARIANT_SETTINGS, base_mode, unbound
     from bench_report import COOLDOWN_EPOCHS
 
-    strategy_kwargs: dict[str, Any] = {"seed": args.seed}
-    if base_mode(mode) == "adaqp" or VARIANT_SETTINGS[unbound(mode)].get("bits") == "adaptive":
-        strategy_kwargs.update(first_assign=args.assign_every, assign_every=args.assign_every, link_costs=args.link_costs)
-    if base_mode(mode) == "sylvie":
-        strategy_kwargs.update(staleness=args.staleness)
+    strategy_kwargs = run_strategy_kwargs(args, mode)
     spec = {
         "mode": mode, "ranks": ranks, "epochs": warmup + epochs + COOLDOWN_EPOCHS, "warmup": warmup, "conv": args.conv,
         "hidden": args.hidden, "layers": args.layers, "in_channels": graph["features"],

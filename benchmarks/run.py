@@ -171,6 +171,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--assign-every", type=int,
                    help="adaqp: epochs between bit-width assignments (default: the warm-up, so the first "
                    "assignment is the first measured epoch)")
+    p.add_argument("--first-assign", type=int,
+                   help="adaqp: epoch of the first bit-width assignment (default: --assign-every). With "
+                   "--first-assign 1 --assign-every 50 the assignment falls in the warm-up and the measured epochs "
+                   "are a user's steady epochs at the assigned widths (the default schedule re-assigns every 50)")
     p.add_argument("--link-costs", choices=("measure", "uniform"), default="measure", help="adaqp link-cost source")
     p.add_argument("--scaling-nodes", help="comma-separated community sizes of the scaling sweep ('' = none)")
     p.add_argument("--scaling-ranks", help="rank counts of the scaling sweep (default 1,2,4)")
@@ -225,6 +229,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.peer_threads_list = _ints(args.peer_threads) if args.peer_threads else peer_thread_counts()
     if args.assign_every is None:
         args.assign_every = max(1, args.warmup)
+    if args.first_assign is None:
+        args.first_assign = args.assign_every
+    if args.first_assign < 1:
+        p.error("--first-assign must be >= 1 (epoch 0 gathers the statistics)")
     return args
 
 
@@ -728,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python benchmarks/run.py " + shlex.join(argv),
         "config": {k: getattr(args, k) for k in (
             "preset", "graph", "nodes", "conv", "hidden", "layers", "ranks", "modes", "link", "link_scope",
-            "warmup", "epochs", "staleness", "assign_every", "link_costs", "scaling_nodes", "scaling_ranks",
+            "warmup", "epochs", "staleness", "assign_every", "first_assign", "link_costs", "scaling_nodes", "scaling_ranks",
             "scaling_epochs", "accuracy", "accuracy_ranks", "accuracy_epochs", "malloc", "repeat", "seed",
             "balance", "target_comm", "target_band", "calibration_epochs", "bound_tolerance", "link_rate_bps")},
         "link": {"name": args.link, "scope": ",".join(scopes), "description": link_desc},

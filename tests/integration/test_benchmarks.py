@@ -191,6 +191,24 @@ def test_bounds_run_their_own_mode() -> None:
     assert old != attrs(modes.strategy_settings("adaqp-bound"))
 
 
+def test_first_assign_puts_adaqps_assignment_where_asked() -> None:
+    """``--first-assign`` reaches the strategy (``--first-assign 1 --assign-every 50``: the
+    assignment in the warm-up, the measured epochs a user's steady ones); without it the first
+    assignment is ``--assign-every`` (the warm-up), as before; 0 is refused.
+
+    Negative control: dropping ``first_assign`` from ``run_strategy_kwargs`` gives the
+    strategy's default (5): the first assertion fails."""
+    run, common = _load("run"), _load("common")
+    steady = run.parse_args(["--first-assign", "1", "--assign-every", "50", "--warmup", "3"])
+    assert common.run_strategy_kwargs(steady, "adaqp-bound") == {
+        "seed": 0, "first_assign": 1, "assign_every": 50, "link_costs": "measure"}
+    default = run.parse_args(["--warmup", "3"])
+    assert (common.run_strategy_kwargs(default, "adaqp")["first_assign"], default.assign_every) == (3, 3)
+    assert "first_assign" not in common.run_strategy_kwargs(default, "exact-bound")
+    with pytest.raises(SystemExit):
+        run.parse_args(["--first-assign", "0"])
+
+
 def test_calibration_arithmetic() -> None:
     """Rate from bytes, T_c and the target share; bytes per scope incl. the gradient
     all-reduce; the one-step rescale.  Checked with numbers and by the model's round trip.
