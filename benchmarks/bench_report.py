@@ -392,9 +392,9 @@ def paired_ratio(mode_summary: dict[str, Any], base_summary: dict[str, Any],
     round's median of the baseline, then the mean of those ratios and its 95 % confidence
     interval (Student's t over rounds).
 
-    Pairing by round removes what moves both runs of a round alike (this host's speed drifts
-    by 10-50 % over an hour; the runner reverses the order of the modes every other round), so
-    the interval is about the ratio, not the host. ``None`` with fewer than two rounds on
+    Pairing by round removes what moves both runs of a round alike (the host's speed drifting
+    between rounds; the runner reverses the order of the modes every other round), so the
+    interval is about the ratio, not the host. ``None`` with fewer than two rounds on
     either side, or unequal counts (a failed round: the pairs would not be the same rounds)."""
     mode, base = round_medians(mode_summary, key), round_medians(base_summary, key)
     if len(mode) != len(base) or len(mode) < 2 or not all(base):
