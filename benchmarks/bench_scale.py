@@ -134,6 +134,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--staleness", type=int, default=5)
+    p.add_argument(
+        "--assign-every",
+        type=int,
+        help="adaqp: epochs between bit-width assignments (default: the warm-up, so every measured epoch of "
+        "--warmup 1 holds one: the worst case)",
+    )
+    p.add_argument(
+        "--first-assign",
+        type=int,
+        help="adaqp: epoch of the first assignment (default: --assign-every). --first-assign 1 --assign-every 50 "
+        "--warmup 2 measures steady epochs at the assigned widths, as under the default schedule",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--keep-going", action="store_true")
@@ -153,6 +165,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "its sizes partitioned afresh, replace the same ones)",
     )
     args = p.parse_args(argv)
+    if args.assign_every is None:
+        args.assign_every = max(1, args.warmup)
+    if args.first_assign is None:
+        args.first_assign = args.assign_every
+    if min(args.assign_every, args.first_assign) < 1:
+        p.error("--assign-every and --first-assign must be >= 1 (epoch 0 gathers the statistics)")
     args.nodes_list = [int(x) for x in args.scale_nodes.split(",") if x.strip()]
     args.single_list = [int(x) for x in args.scale_single.split(",") if x.strip()]
     args.modes_list = [m.strip() for m in args.scale_modes.split(",") if m.strip()]
@@ -271,6 +289,16 @@ def fit_exponent(xs: list[float], ys: list[float]) -> float | None:
     return sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx if sxx else None
 
 
+def run_args(args: argparse.Namespace, conv: str) -> argparse.Namespace:
+    """The options one training run of the sweep takes (``common.run_config``'s): the sweep's,
+    with ``conv`` and measured link costs (adaqp's schedule, ``--first-assign`` and
+    ``--assign-every``, passes through)."""
+    a = copy.copy(args)
+    a.conv = conv
+    a.link_costs = "measure"
+    return a
+
+
 def train(
     args: argparse.Namespace,
     conv: str,
@@ -283,10 +311,7 @@ def train(
 ) -> dict[str, Any]:
     import common
 
-    a = copy.copy(args)
-    a.conv = conv
-    a.assign_every = max(1, args.warmup)
-    a.link_costs = "measure"
+    a = run_args(args, conv)
     graph = {
         "key": f"products-like-{n}-{conv}",
         "label": f"products-like {n}",
@@ -514,7 +539,11 @@ def markdown(report: dict[str, Any], png: str | None) -> str:
         f"`{report['command']}` — {report['created']}, {report['host']['cpus']} CPUs, torch "
         f"{report['host']['torch']}; hidden {report['config']['hidden']}, {report['config']['layers']} layers, "
         f"{report['config']['warmup']} warm-up + {report['config']['epochs']} measured epochs, no link "
-        "emulation, one thread per rank. Load averages (1/5/15 min) are recorded with every measurement.",
+        "emulation, one thread per rank; adaqp's bits assigned at epoch "
+        # reports before --first-assign assigned at every warm-up's end
+        f"{report['config'].get('first_assign', max(1, report['config']['warmup']))} and every "
+        f"{report['config'].get('assign_every', max(1, report['config']['warmup']))} epochs after. "
+        "Load averages (1/5/15 min) are recorded with every measurement.",
         "",
         f"Allocator environment of every process (`--malloc {malloc}`): "
         + (" ".join(f"`{k}={v}`" for k, v in MALLOC_ENVS[malloc].items()) or "glibc's and torch's defaults")
@@ -763,6 +792,8 @@ def main(argv: list[str]) -> int:
                 "layers",
                 "warmup",
                 "epochs",
+                "assign_every",
+                "first_assign",
                 "staleness",
                 "seed",
                 "metis_fraction",

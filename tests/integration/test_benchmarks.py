@@ -209,6 +209,24 @@ def test_first_assign_puts_adaqps_assignment_where_asked() -> None:
         run.parse_args(["--first-assign", "0"])
 
 
+def test_the_scale_sweep_takes_adaqps_assignment_schedule() -> None:
+    """``run.py --scale --first-assign 1 --assign-every 50`` reaches the strategy, so the
+    products-like sweep can measure steady adaqp epochs; by default the sweep assigns at the
+    end of every warm-up (its worst case, as before), and 0 is refused.
+
+    Negative control: the former ``a.assign_every = max(1, args.warmup)`` in the run's options
+    gives ``assign_every`` 2 for the steady schedule: the first assertion fails."""
+    scale, common = _load("bench_scale"), _load("common")
+    steady = scale.parse_args(["--first-assign", "1", "--assign-every", "50", "--warmup", "2"])
+    kwargs = common.run_strategy_kwargs(scale.run_args(steady, "gcn"), "adaqp")
+    assert (kwargs["first_assign"], kwargs["assign_every"], kwargs["link_costs"]) == (1, 50, "measure")
+    default = scale.run_args(scale.parse_args(["--warmup", "1"]), "gcn")
+    assert (default.first_assign, default.assign_every) == (1, 1)
+    assert common.run_strategy_kwargs(default, "exact") == {"seed": 0}
+    with pytest.raises(SystemExit):
+        scale.parse_args(["--first-assign", "0"])
+
+
 def test_calibration_arithmetic() -> None:
     """Rate from bytes, T_c and the target share; bytes per scope incl. the gradient
     all-reduce; the one-step rescale.  Checked with numbers and by the model's round trip.
