@@ -98,7 +98,10 @@ print(json.dumps({
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from common import MALLOC_ENVS  # run.py put this folder on sys.path: it imported us
+    from common import (  # run.py put this folder on sys.path: it imported us
+        MALLOC_ENVS,
+        settle_assign_schedule,
+    )
 
     p = argparse.ArgumentParser(prog="run.py --scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--scale", action="store_true")
@@ -165,12 +168,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "its sizes partitioned afresh, replace the same ones)",
     )
     args = p.parse_args(argv)
-    if args.assign_every is None:
-        args.assign_every = max(1, args.warmup)
-    if args.first_assign is None:
-        args.first_assign = args.assign_every
-    if min(args.assign_every, args.first_assign) < 1:
-        p.error("--assign-every and --first-assign must be >= 1 (epoch 0 gathers the statistics)")
+    settle_assign_schedule(p, args)
     args.nodes_list = [int(x) for x in args.scale_nodes.split(",") if x.strip()]
     args.single_list = [int(x) for x in args.scale_single.split(",") if x.strip()]
     args.modes_list = [m.strip() for m in args.scale_modes.split(",") if m.strip()]

@@ -141,6 +141,17 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-")
 
 
+def settle_assign_schedule(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fills adaqp's schedule in ``args`` (``--assign-every`` defaults to the warm-up, at least 1;
+    ``--first-assign`` to ``--assign-every``) and refuses values below 1 through ``parser``."""
+    if args.assign_every is None:
+        args.assign_every = max(1, args.warmup)
+    if args.first_assign is None:
+        args.first_assign = args.assign_every
+    if min(args.assign_every, args.first_assign) < 1:
+        parser.error("--assign-every and --first-assign must be >= 1 (epoch 0 gathers the statistics)")
+
+
 def run_strategy_kwargs(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     """The strategy keywords a benchmark run adds for ``mode`` (its variant's own settings come
     from ``bench_modes``): the seed; adaptive bits' schedule (first assignment at

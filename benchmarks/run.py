@@ -58,6 +58,7 @@ from common import (  # noqa: E402
     part_key,
     run_config,
     run_logged,
+    settle_assign_schedule,
 )
 
 MODES = DEFAULT_MODES
@@ -227,12 +228,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.link_rate_bps is not None and args.link != "calibrated":
         p.error("--link-rate goes with --link calibrated")
     args.peer_threads_list = _ints(args.peer_threads) if args.peer_threads else peer_thread_counts()
-    if args.assign_every is None:
-        args.assign_every = max(1, args.warmup)
-    if args.first_assign is None:
-        args.first_assign = args.assign_every
-    if args.first_assign < 1:
-        p.error("--first-assign must be >= 1 (epoch 0 gathers the statistics)")
+    settle_assign_schedule(p, args)
     return args
 
 
