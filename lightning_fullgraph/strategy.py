@@ -97,36 +97,38 @@ class FullGraphStrategy(DDPStrategy):
             background; every ``staleness``-th epoch is synchronous.
         policy: A ready :class:`~lightning_fullgraph.comm.policies.base.CompressionPolicy` (then
             ``mode`` and the policy settings below must be left unset).
-        bits: ``"adaptive"`` (adaqp default: 8 bits until epoch ``first_assign``, then AdaQP's
-            MILP every ``assign_every`` epochs; with sylvie: the same assignment inside the
-            pipeline) or a fixed 1/2/4/8 (sylvie default 1; 32 sends fp32 through the sylvie
-            pipeline). Not allowed in exact mode.
+        bits: ``"adaptive"`` (adaqp default ``"adaptive"``: 8 bits until epoch ``first_assign``,
+            then AdaQP's MILP every ``assign_every`` epochs; with sylvie: the same assignment
+            inside the pipeline) or a fixed 1/2/4/8 (sylvie default 1; 32 sends fp32 through the
+            sylvie pipeline). Not allowed in exact mode.
         staleness: Sylvie's bound ``eps >= 1`` (default 5): every ``eps``-th epoch is
             synchronous, so at most ``eps - 1`` consecutive epochs use one-epoch-old values.
         smoothing: PipeGCN momentum ``gamma`` for stale values (sylvie; ``None``: off).
-        smooth: ``"features"``, ``"gradients"`` or ``"both"`` (what smoothing applies to).
+        smooth: ``"features"``, ``"gradients"`` or ``"both"`` (what smoothing applies to;
+            default ``"both"``).
         epoch_adaptive: Sylvie's Bounded Staleness Adaptor on the global training loss's rate
             of decrease: ``True``/``"second"`` per second (the seed), ``"epoch"`` per epoch
             (reproducible), ``"auto"`` (sylvie default: per epoch where the halo share is at or
             above ``max_halo_share``, else off), ``False`` off (see
             :class:`~lightning_fullgraph.comm.policies.sylvie.policy.SylviePolicy`).
-        adaptive_window: Epochs of monotone slowdown / speed-up the adaptor waits for.
+        adaptive_window: Epochs of monotone slowdown / speed-up the adaptor waits for (default 5).
         guard: Sylvie's divergence guard (default 0.1): after an epoch on stale values, a
             global training loss above its best by more than ``guard`` times the larger of the
             best and half the first epoch's loss turns the pipeline off for
             ``guard_cooldown`` epochs, doubling each time; ``False`` turns it off.
         guard_cooldown: Synchronous epochs after the guard's first reaction (default 10).
         max_halo_share: Sylvie pipelines only while halo rows are less than this share of the
-            graph's aggregation inputs (default 0.5); above it every epoch is synchronous at
+            graph's aggregation inputs (default 0.2); at or above it every epoch is synchronous at
             ``bits`` (where measured, the stale pipeline collapsed training there).
-        assign_every: Epochs between bit-width re-assignments (adaptive bits).
+        assign_every: Epochs between bit-width re-assignments (adaptive bits; default 50).
         first_assign: Epoch of the first assignment (adaptive bits; default 5).
-        lambda_: Weight of variance against time in the assignment objective, in [0, 1].
-        group_size: Rows per group sharing one bit-width in the assignment.
+        lambda_: Weight of variance against time in the assignment objective, in [0, 1]
+            (default 0.5).
+        group_size: Rows per group sharing one bit-width in the assignment (default 100).
         link_costs: ``"measure"`` (adaptive bits: time every link at the first assignment) or
             ``"uniform"`` (the same nominal 1 GB/s, 100 us link everywhere: reproducible
-            assignments, e.g. for tests).
-        seed: Seed of the stochastic rounding (rank ``r`` uses ``seed + r``).
+            assignments, e.g. for tests); default ``"measure"``.
+        seed: Seed of the stochastic rounding (rank ``r`` uses ``seed + r``; default 0).
         check_finite: Check every conv output and the loss for NaN/inf and stop with an error
             naming the rank and the layer (one reduction per layer; off saves it).
         compute_only: Benchmark bound: run this mode's own compute path (overlap split,

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
 import pickle
+import re
 import warnings
 
 import pytest
@@ -17,6 +20,7 @@ from lightning_fullgraph.comm.policies import (
     SylviePolicy,
     make_policy,
 )
+from lightning_fullgraph.comm.policies.modes import MODE_TABLE, policy_settings
 
 
 def _plan(num_send: int = 5, num_halo: int = 3) -> HaloPlan:
@@ -33,6 +37,50 @@ def _env(plan: HaloPlan, final_epoch: int | None = None) -> PolicyEnv:
         raise AssertionError("no control traffic expected")
 
     return PolicyEnv(plan=plan, group=None, device=torch.device("cpu"), control=control, final_epoch=final_epoch)
+
+
+def _documented_defaults(doc: str) -> dict[str, list[tuple[str | None, object]]]:
+    """``{argument: [(mode or None, value), ...]}`` of every ``default V`` / ``<mode> default V``
+    in the ``Args:`` section of ``doc``, for literal ``V`` (a number or a double-quoted string)."""
+    args = doc.split("Args:", 1)[1]
+    found: dict[str, list[tuple[str | None, object]]] = {}
+    for entry in re.split(r"\n {8}(?=\w+: )", args):
+        name = entry.split(":", 1)[0].strip()
+        text = " ".join(entry.split())
+        for m in re.finditer(r"(?:\b(exact|adaqp|sylvie) )?default:? (?:``)?(-?\d+(?:\.\d+)?|\"\w+\")", text):
+            found.setdefault(name, []).append((m.group(1), ast.literal_eval(m.group(2))))
+    return found
+
+
+def test_the_strategys_docstring_states_the_policies_defaults() -> None:
+    """Every default that ``FullGraphStrategy``'s docstring states for a policy setting (the
+    strategy passes ``None`` on, so the policy constructor decides) is the policy's own: the
+    default of the named mode's policy, or of every mode's policy that takes the setting.  The
+    docstring is what ``--help`` of the CLI prints.
+
+    Negative control: the docstring's former ``max_halo_share ... (default 0.5)`` (the policy's
+    is 0.2) fails it (run)."""
+    documented = _documented_defaults(FullGraphStrategy.__doc__ or "")
+    checked = []
+    for name, values in documented.items():
+        takers = [row for row in MODE_TABLE.values() if name in policy_settings(row.name)]
+        if not takers:
+            continue  # a strategy argument of its own (its default is in its signature)
+        for mode, value in values:
+            for row in takers:
+                if mode is not None and row.name != mode:
+                    continue
+                default = inspect.signature(row.policy.__init__).parameters[name].default
+                assert default == value, (
+                    f"FullGraphStrategy's docstring says {name} defaults to {value!r}"
+                    f"{f' in {mode} mode' if mode else ''}; {row.policy.__name__} says {default!r}"
+                )
+                checked.append((name, row.name))
+    # the check reads real statements, not none: every numeric setting's default is stated
+    assert {name for name, _ in checked} >= {
+        "bits", "staleness", "guard", "guard_cooldown", "max_halo_share", "assign_every", "first_assign",
+        "lambda_", "group_size", "adaptive_window", "seed", "smooth", "link_costs",
+    }
 
 
 @pytest.mark.parametrize(
