@@ -21,6 +21,7 @@ from lightning_fullgraph.comm.policies import (
     make_policy,
 )
 from lightning_fullgraph.comm.policies.modes import MODE_TABLE, policy_settings
+from tests.conftest import REPO
 
 
 def _plan(num_send: int = 5, num_halo: int = 3) -> HaloPlan:
@@ -81,6 +82,45 @@ def test_the_strategys_docstring_states_the_policies_defaults() -> None:
         "bits", "staleness", "guard", "guard_cooldown", "max_halo_share", "assign_every", "first_assign",
         "lambda_", "group_size", "adaptive_window", "seed", "smooth", "link_costs",
     }
+
+
+def _policy_default(mode: str, name: str) -> object:
+    return inspect.signature(MODE_TABLE[mode].policy.__init__).parameters[name].default
+
+
+def test_the_usage_guides_option_table_states_the_policies_defaults() -> None:
+    """``docs/usage.md``'s ``FullGraphStrategy`` option table gives, for every policy setting,
+    the default of each mode's policy that takes it (``adaqp `"adaptive"`, sylvie `1```
+    names the mode; a row of several options lists their defaults in order).
+
+    Negative control: ``max_halo_share``'s default cell set to ``0.5`` fails it (run)."""
+    text = (REPO / "docs" / "usage.md").read_text()
+    table = text.split("`FullGraphStrategy(...)`", 1)[1].split("`FullGraphDataModule(...)`", 1)[0]
+    settings = set().union(*(policy_settings(mode) for mode in MODE_TABLE))
+    checked: set[str] = set()
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3:
+            continue
+        names = re.findall(r"`(\w+)`", cells[0])
+        if not names or not set(names) <= settings:
+            continue
+        stated = re.findall(r"(?:\b(adaqp|sylvie) )?`([^`]+)`", cells[1])
+        if any(mode for mode, _ in stated):  # one option, a default per mode
+            assert len(names) == 1, line
+            for mode, value in stated:
+                assert _policy_default(mode, names[0]) == ast.literal_eval(value), line
+        else:
+            assert len(stated) == len(names), f"one default per option expected: {line}"
+            for name, (_, value) in zip(names, stated):
+                for mode in MODE_TABLE:
+                    if name in policy_settings(mode):
+                        assert _policy_default(mode, name) == ast.literal_eval(value), (
+                            f"docs/usage.md says {name} defaults to {value}; {mode}'s policy says "
+                            f"{_policy_default(mode, name)!r}"
+                        )
+        checked.update(names)
+    assert checked == settings, f"settings without a row: {sorted(settings - checked)}"
 
 
 @pytest.mark.parametrize(
