@@ -77,7 +77,7 @@ def test_the_strategys_docstring_states_the_policies_defaults() -> None:
                     f"{f' in {mode} mode' if mode else ''}; {row.policy.__name__} says {default!r}"
                 )
                 checked.append((name, row.name))
-    # the check reads real statements, not none: every numeric setting's default is stated
+    # the check reads real statements, not none: these settings must state their default
     assert {name for name, _ in checked} >= {
         "bits", "staleness", "guard", "guard_cooldown", "max_halo_share", "assign_every", "first_assign",
         "lambda_", "group_size", "adaptive_window", "seed", "smooth", "link_costs",
