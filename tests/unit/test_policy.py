@@ -40,6 +40,10 @@ def _env(plan: HaloPlan, final_epoch: int | None = None) -> PolicyEnv:
     return PolicyEnv(plan=plan, group=None, device=torch.device("cpu"), control=control, final_epoch=final_epoch)
 
 
+def _policy_default(mode: str, name: str) -> object:
+    return inspect.signature(MODE_TABLE[mode].policy.__init__).parameters[name].default
+
+
 def _documented_defaults(doc: str) -> dict[str, list[tuple[str | None, object]]]:
     """``{argument: [(mode or None, value), ...]}`` of every ``default V`` / ``<mode> default V``
     in the ``Args:`` section of ``doc``, for literal ``V`` (a number or a double-quoted string)."""
@@ -71,7 +75,7 @@ def test_the_strategys_docstring_states_the_policies_defaults() -> None:
             for row in takers:
                 if mode is not None and row.name != mode:
                     continue
-                default = inspect.signature(row.policy.__init__).parameters[name].default
+                default = _policy_default(row.name, name)
                 assert default == value, (
                     f"FullGraphStrategy's docstring says {name} defaults to {value!r}"
                     f"{f' in {mode} mode' if mode else ''}; {row.policy.__name__} says {default!r}"
@@ -82,10 +86,6 @@ def test_the_strategys_docstring_states_the_policies_defaults() -> None:
         "bits", "staleness", "guard", "guard_cooldown", "max_halo_share", "assign_every", "first_assign",
         "lambda_", "group_size", "adaptive_window", "seed", "smooth", "link_costs",
     }
-
-
-def _policy_default(mode: str, name: str) -> object:
-    return inspect.signature(MODE_TABLE[mode].policy.__init__).parameters[name].default
 
 
 def test_the_usage_guides_option_table_states_the_policies_defaults() -> None:
