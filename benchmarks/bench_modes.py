@@ -7,6 +7,10 @@ A *mode* is one of the strategy's modes or a diagnostic variant of one::
     adaqp-nooverlap                   adaqp with overlap=False
     adaqp-overlap                     adaqp with overlap=True (the split forced on)
     exact-overlap                     exact with the central/marginal overlap on
+    exact-inputs, adaqp-inputs,       the mode with project_messages=False: every layer
+    sylvie-inputs                     sends its input (the seeds' message, and this
+                                      package's before projected messages): before/after
+                                      in one run
 
 Every mode ``M`` has a *bound* ``M-bound``: the same settings plus ``compute_only=True``, i.e.
 mode ``M``'s own compute path (overlap split, quantize/dequantize, Sylvie's pipeline
@@ -33,6 +37,10 @@ VARIANT_SETTINGS: dict[str, dict[str, Any]] = {
     "sylvie": {"mode": "sylvie"},
     # AdaQP's assignment inside Sylvie's pipeline (PipeQS-style combination)
     "sylvie-adaptive": {"mode": "sylvie", "bits": "adaptive"},
+    # every layer sends its input, not a narrowing layer's projection (HaloContext.sends_projection)
+    "exact-inputs": {"mode": "exact", "project_messages": False},
+    "adaqp-inputs": {"mode": "adaqp", "project_messages": False},
+    "sylvie-inputs": {"mode": "sylvie", "project_messages": False},
 }
 BASE_MODES = ("exact", "adaqp", "sylvie")
 ALIASES = {"compute-only": "exact-bound", "compute-only-overlap": "exact-overlap-bound"}

@@ -153,8 +153,8 @@ def transformed_input_warning(exchanger: HaloExchanger) -> str | None:
     factor = f"{total / (total - first):.1f}x" if total > first else "from none to"
     return (
         f"the first message-passing layer's input is not the batch's features but a tensor of the same "
-        f"shape (dropout or another transform of `batch.x` before the first conv?): its halo rows, "
-        f"{width} values each, travel every epoch instead of once, cached; that makes this model's "
+        f"shape (dropout or another transform of `batch.x` before the first conv?): its halo rows "
+        f"({width} values each) travel every epoch instead of once, cached; that makes this model's "
         f"per-epoch halo traffic {factor} what it would be. Apply the transform inside or after the "
         "first conv, or accept the traffic"
     )

@@ -148,6 +148,15 @@ class FullGraphStrategy(DDPStrategy):
             (PyG's fused ``message_and_aggregate`` path, ``torch.sparse.mm``) for GCN, SAGE,
             GIN and GraphConv layers; ``False`` keeps PyG's edge-list path (an ``[E_r, F]``
             message tensor per layer). Exact either way; GAT and GINE always use edges.
+        project_messages: Let a GCN or SAGE layer that narrows the rows (``F_out < F_in``,
+            e.g. the output layer) exchange its projected rows ``X W`` instead of its input
+            ``X`` where that is fewer values per halo row, counting the gradient that comes
+            back (:meth:`~lightning_fullgraph.nn.context.HaloContext.sends_projection`; the
+            batch's static features always travel as themselves, once). Exact: the layer
+            computes the same matrix; the compressed modes quantize (Sylvie: keep) the rows
+            that travel. ``False`` (default ``True``): every layer exchanges its input, as the
+            AdaQP and PipeGCN/Sylvie codes do, and as earlier versions of this package did
+            (resume a Sylvie checkpoint they wrote mid-pipeline with ``False``).
         loss_weighting: How per-rank losses combine into the global gradient.
             ``"train_mask"`` (default): the module's loss is a mean over the rank's nodes in
             ``batch.<mask_key>``; ranks are weighted by their share of those nodes, giving the
@@ -195,6 +204,7 @@ class FullGraphStrategy(DDPStrategy):
         compute_only: bool = False,
         check_finite: bool = True,
         sparse_aggregation: bool = True,
+        project_messages: bool = True,
         loss_weighting: Literal["train_mask", "mean", "sum"] = "train_mask",
         mask_key: str = "train_mask",
         timeout: timedelta | None = default_pg_timeout,
@@ -223,6 +233,7 @@ class FullGraphStrategy(DDPStrategy):
         self.compute_only = compute_only
         self.check_finite = check_finite
         self.sparse_aggregation = bool(sparse_aggregation)
+        self.project_messages = bool(project_messages)
         self.loss_weighting = loss_weighting
         self.mask_key = mask_key
         self._failed = False
@@ -342,7 +353,11 @@ class FullGraphStrategy(DDPStrategy):
             self._restore_policy_state(self._pending_state)
         self._pending_state = None
         self._ctx = HaloContext(
-            self._exchanger, overlap=self.overlap_decision.used, check_finite=self.check_finite, sparse=self.sparse_aggregation
+            self._exchanger,
+            overlap=self.overlap_decision.used,
+            check_finite=self.check_finite,
+            sparse=self.sparse_aggregation,
+            project=self.project_messages,
         )
         assert self.lightning_module is not None
         if self._adapters is not None:

@@ -108,7 +108,8 @@ class HaloExchanger:
         self._static_refs = [r for r in self._static_refs if r() is not None]
         self._static_refs.append(weakref.ref(tensor))
 
-    def _is_static(self, x: Tensor) -> bool:
+    def is_static(self, x: Tensor) -> bool:
+        """Whether ``x`` is a registered static tensor (its halo rows cross the wire once)."""
         return any(r() is x for r in self._static_refs)
 
     # -- sending --------------------------------------------------------------------------
@@ -191,7 +192,9 @@ class HaloExchanger:
         return grad.index_add_(0, plan.send_index, recv)
 
     # -- autograd entry points ------------------------------------------------------------
-    def exchange(self, x: Tensor, exact: bool = False, score: Callable[[], Tensor] | None = None) -> Tensor:
+    def exchange(
+        self, x: Tensor, exact: bool = False, score: Callable[[], Tensor] | None = None, source: Tensor | None = None
+    ) -> Tensor:
         """Returns ``cat(x, halo(x))`` of shape ``[N_r + H_r, *]``, differentiable in ``x``.
 
         Args:
@@ -200,28 +203,33 @@ class HaloExchanger:
                 as one-time traffic).
             score: Lazily gives the ``[H_r]`` receiver-side aggregation score of every halo row
                 for the conv being run (AdaQP's variance weights).
+            source: The layer input ``x`` was computed from, when the message is not the input
+                itself (a projection ``X W``: ``HaloContext.sends_projection``); only the
+                check for a transformed copy of the batch's features reads it.
 
         Tensors registered with :meth:`register_static` (the batch's features) that are the
         very same object at the same version as in an earlier call reuse that call's halo
         rows (fp32): static features cross the wire once.  Inside a training step every other
         exchange is a layer message: numbered by call order, encoded as the policy decides.
         """
-        return self._halo(x, exact, score, full=True)
+        return self._halo(x, exact, score, full=True, source=source)
 
-    def halo(self, x: Tensor, exact: bool = False, score: Callable[[], Tensor] | None = None) -> Tensor:
+    def halo(
+        self, x: Tensor, exact: bool = False, score: Callable[[], Tensor] | None = None, source: Tensor | None = None
+    ) -> Tensor:
         """The halo rows alone, ``[N_r, *] -> [H_r, *]``: what :meth:`exchange` appends to
         ``x``, through the same path (numbering, encoding, caching, autograd)."""
-        return self._halo(x, exact, score)
+        return self._halo(x, exact, score, source=source)
 
     def exchange_async(
-        self, x: Tensor, exact: bool = False, score: Callable[[], Tensor] | None = None
+        self, x: Tensor, exact: bool = False, score: Callable[[], Tensor] | None = None, source: Tensor | None = None
     ) -> Pending:
         """Starts the exchange of ``x``'s halo rows and returns at once; ``.wait()`` gives the
         halo rows ``[H_r, *]`` (differentiable in ``x``).  In backward the gradient transfer
         likewise overlaps whatever autograd computes between the two halves (by default: the
         policy's halo path decides, :meth:`start_overlapped`)."""
         grad = x.requires_grad and torch.is_grad_enabled()
-        layer = self._next_layer(x, grad, exact, score)
+        layer = self._next_layer(x, grad, exact, score, source)
         if layer is None:
             halo = self._fetch_unnumbered(x, exact)
             return Pending(lambda: halo)
@@ -246,16 +254,19 @@ class HaloExchanger:
         return Pending(lambda: _WaitFn.apply(token, self, layer, state))
 
     def _next_layer(
-        self, x: Tensor, grad: bool, exact: bool, score: Callable[[], Tensor] | None
+        self, x: Tensor, grad: bool, exact: bool, score: Callable[[], Tensor] | None, source: Tensor | None = None
     ) -> int | None:
-        if self.training and not exact and (grad or not self._is_static(x)):
+        if self.training and not exact and (grad or not self.is_static(x)):
             layer = self._layer
             self._layer += 1
             if layer == 0 and not self._input_checked:
                 self._input_checked = True
-                # (a message that needs no gradient is a transform of constant data only;
-                # GCN's lin(x) of the same shape needs one and travels every epoch anyway)
-                if not grad and self._looks_like_static(x):
+                # (a layer input that needs no gradient is a transform of constant data only;
+                # GCN's lin(x) of the same shape needs one and travels every epoch anyway.
+                # A projected message is judged by the input it was computed from.)
+                src = x if source is None else source
+                src_grad = grad if source is None else source.requires_grad and torch.is_grad_enabled()
+                if not src_grad and self._looks_like_static(src):
                     self.transformed_input = (layer, int(x[0].numel()) if x.dim() > 1 else 1)
             self.policy.observe_score(layer, score)
             return layer
@@ -264,7 +275,7 @@ class HaloExchanger:
     def _looks_like_static(self, x: Tensor) -> bool:
         """A tensor with the shape and dtype of a registered static tensor, not that tensor
         (e.g. ``dropout(batch.x)``)."""
-        if self._is_static(x) or x.size(0) != self.plan.num_owned:
+        if self.is_static(x) or x.size(0) != self.plan.num_owned:
             return False
         for ref in self._static_refs:
             t = ref()
@@ -272,12 +283,15 @@ class HaloExchanger:
                 return True
         return False
 
-    def _halo(self, x: Tensor, exact: bool, score: Callable[[], Tensor] | None, full: bool = False) -> Tensor:
+    def _halo(
+        self, x: Tensor, exact: bool, score: Callable[[], Tensor] | None, full: bool = False,
+        source: Tensor | None = None,
+    ) -> Tensor:
         """The halo rows ``[H_r, *]``, or with ``full`` ``cat(x, halo)`` ``[N_r + H_r, *]``:
         the autograd functions then take the concatenation's gradient whole and add its owned
         rows into the rows that come home (:meth:`add_home`)."""
         grad = x.requires_grad and torch.is_grad_enabled()
-        layer = self._next_layer(x, grad, exact, score)
+        layer = self._next_layer(x, grad, exact, score, source)
         if layer is None:
             if grad:
                 self.stats.forward_exchanges += 1
@@ -292,7 +306,7 @@ class HaloExchanger:
     def _fetch_unnumbered(self, x: Tensor, exact: bool) -> Tensor:
         # Only registered tensors (the batch's own, the same role on every rank) are cached:
         # a hit skips a collective, so hits must happen on all ranks or on none.
-        if not self._is_static(x):
+        if not self.is_static(x):
             self.stats.forward_exchanges += 1
             return self.fetch(x, kind="onetime" if exact else "message")
         entry = self._static.get(id(x))

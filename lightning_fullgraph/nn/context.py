@@ -54,15 +54,24 @@ class HaloContext:
         sparse: Aggregate through cached CSR adjacencies (PyG's fused ``message_and_aggregate``
             path) wherever the conv supports it; ``False`` keeps PyG's edge-list path
             (gather ``[E_r, F]`` messages, scatter) everywhere.
+        project: Let a layer that projects before aggregating exchange the projected rows
+            where they are the narrower message (:meth:`sends_projection`); ``False``: every
+            layer exchanges its input (the AdaQP and PipeGCN/Sylvie codes' message).
     """
 
     def __init__(
-        self, exchanger: HaloExchanger, overlap: bool = False, check_finite: bool = False, sparse: bool = True
+        self,
+        exchanger: HaloExchanger,
+        overlap: bool = False,
+        check_finite: bool = False,
+        sparse: bool = True,
+        project: bool = True,
     ) -> None:
         self.exchanger = exchanger
         self.overlap = overlap
         self.check_finite = check_finite
         self.sparse = sparse
+        self.project = project
         self.cache = DerivedCache()
         # (stand-in CSR, aggregation) between `hand_over` and the conv's message_and_aggregate
         self._handoff: tuple[Tensor, Tensor] | None = None
@@ -96,19 +105,60 @@ class HaloContext:
                 f"(the strategy builds and caches the sparse adjacency itself)"
             )
 
-    def exchange(self, x: Tensor, score: Callable[[], Tensor] | None = None) -> Tensor:
+    def exchange(
+        self, x: Tensor, score: Callable[[], Tensor] | None = None, source: Tensor | None = None
+    ) -> Tensor:
         """``[N_r, F] -> [N_r + H_r, F]``: owned rows followed by the halo rows.
 
-        ``score``: the halo rows' aggregation scores (:meth:`score`), for the exchanger."""
-        return self.exchanger.exchange(x, score=score)
+        ``score``: the halo rows' aggregation scores (:meth:`score`), for the exchanger;
+        ``source``: the layer input when ``x`` is its projection (:meth:`sends_projection`)."""
+        return self.exchanger.exchange(x, score=score, source=source)
 
     def halo(self, x: Tensor, score: Callable[[], Tensor] | None = None) -> Tensor:
         """``[N_r, F] -> [H_r, F]``: the halo rows alone, what :meth:`exchange` appends."""
         return self.exchanger.halo(x, score=score)
 
-    def exchange_async(self, x: Tensor, score: Callable[[], Tensor] | None = None) -> Any:
+    def exchange_async(
+        self, x: Tensor, score: Callable[[], Tensor] | None = None, source: Tensor | None = None
+    ) -> Any:
         """Starts the exchange of ``x``'s halo rows; ``.wait()`` gives them (``[H_r, F]``)."""
-        return self.exchanger.exchange_async(x, score=score)
+        return self.exchanger.exchange_async(x, score=score, source=source)
+
+    def sends_projection(self, x: Tensor, out_features: int, weight: Tensor) -> bool:
+        r"""Whether a layer that aggregates projected rows, :math:`\hat{A}\,(X W)`, exchanges
+        the projected rows :math:`X W` (``[N_r, F_out]``) rather than its input :math:`X`
+        (``[N_r, F_in]``): the one rule every adapter that projects before aggregating follows.
+
+        The halo rows are the layer's only traffic and, in the compressed modes, all the codec
+        encodes: per halo row :math:`F` values go out and, when the message needs a gradient,
+        :math:`F` come back.  So the projection travels when
+
+        .. math::
+            F_{out}\,(1 + g_{XW}) < F_{in}\,(1 + g_X),
+
+        with :math:`g = 1` where that tensor needs a gradient in this pass, unless :math:`X`
+        is a registered static tensor (the batch's features): those cross the wire once and
+        are cached, so they keep travelling as themselves.  On a hidden -> output layer
+        (``256 -> C``) this cuts the layer's messages from 256 to ``C`` values per row each way,
+        and the receiver no longer projects the halo rows itself (their owners already have).
+
+        Exact in the exact mode: :math:`\hat{A}\,(X W)` is the same matrix whichever rows
+        travel (summed in another order).  A compressed mode quantizes (or, in Sylvie's
+        asynchronous epochs, keeps from the epoch before) the rows that travel.
+
+        Args:
+            x: ``[N_r, F_in]`` the layer input.
+            out_features: ``F_out``, the projection's width.
+            weight: The projection's weight (its ``requires_grad`` counts).
+
+        Always ``False`` with ``project=False``.
+        """
+        if not self.project or self.exchanger.is_static(x):
+            return False
+        grad = torch.is_grad_enabled()
+        grad_x = grad and x.requires_grad
+        grad_xw = grad_x or (grad and weight.requires_grad)
+        return out_features * (1 + grad_xw) < x.size(-1) * (1 + grad_x)
 
     def score(
         self,

@@ -121,9 +121,12 @@ def _sage(conv: SAGEConv, ctx: HaloContext, x: Tensor, edge_index: Tensor, score
     another order, with fewer ``[N_r, F_out]`` temporaries: the root term is added into the
     output in place (``addmm_``) rather than as ``lin_r``'s own output plus a sum, and a layer
     whose ``lin_l`` narrows the rows (the output layer) aggregates the narrower rows
-    ``X W_l^T``, projecting the owned and the received rows separately so autograd keeps the
-    received ``[H_r, F_in]`` rows, not an ``[N_r + H_r, F_in]`` copy (``X_r`` is kept for the
-    root term anyway).  The exchanged message is ``X_r``'s halo rows, as for every conv.
+    ``X W_l^T``.  Its message is then, by :meth:`~.context.HaloContext.sends_projection`, the
+    projected rows ``X_r W_l^T`` (``F_out`` values per halo row each way instead of ``F_in``)
+    unless ``X_r`` is the batch's static features; those travel as themselves, and the owned
+    and the received rows are projected separately so autograd keeps the received
+    ``[H_r, F_in]`` rows, not an ``[N_r + H_r, F_in]`` copy (``X_r`` is kept for the root term
+    anyway).  Every other layer's message is ``X_r``'s halo rows, as for every conv.
 
     Shapes:
         x: ``[N_r, F_in]`` -> ``[N_r, F_out]``.
@@ -135,18 +138,29 @@ def _sage(conv: SAGEConv, ctx: HaloContext, x: Tensor, edge_index: Tensor, score
         return torch.nn.functional.linear(t, w_l) if narrow else t
 
     dtype = csr_dtype(x)
+    # the projected rows travel where they are the narrower message (HaloContext.sends_projection)
+    project = narrow and ctx.sends_projection(x, conv.out_channels, w_l)
     split = ctx.split(edge_index, None, sparse=True, dtype=dtype) if ctx.overlap else None
     if split is None:
-        halo = ctx.halo(x, score) if narrow else None
-        src = torch.cat([rows(x), rows(halo)], dim=0) if narrow else ctx.exchange(x, score)
-        del halo
+        if project:
+            src = ctx.exchange(rows(x), score, source=x)
+        elif narrow:
+            halo = ctx.halo(x, score)
+            src = torch.cat([rows(x), rows(halo)], dim=0)
+            del halo
+        else:
+            src = ctx.exchange(x, score)
         agg = conv.message_and_aggregate(ctx.adjacency(edge_index, None, dtype), (src, None))
     else:
         # central rows (owned sources) while the halo is in flight, marginal rows after it
-        pending = ctx.exchange_async(x, score)
-        own = rows(x)
+        if project:
+            own = rows(x)
+            pending = ctx.exchange_async(own, score, source=x)
+        else:
+            pending = ctx.exchange_async(x, score)
+            own = rows(x)
         agg_c = conv.message_and_aggregate(split.central_block, (own, None))
-        src = torch.cat([own, rows(pending.wait())], dim=0)
+        src = torch.cat([own, pending.wait() if project else rows(pending.wait())], dim=0)
         del own
         agg = split.merge(agg_c, conv.message_and_aggregate(split.marginal_block, (src, None)))
         del agg_c

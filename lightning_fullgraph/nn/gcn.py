@@ -28,9 +28,28 @@ def _aggregate_first(conv: GCNConv, x: Tensor) -> bool:
     ``[N_r, F_in]`` aggregation for ``lin``'s backward instead of the ``[N_r + H_r, F_in]``
     layer input with its halo rows, and ``lin`` multiplies ``N_r`` rows instead of
     ``N_r + H_r``.  When it narrows (the output layer), transforming first aggregates the
-    narrower rows.  The exchanged message is the layer input either way.
+    narrower rows, and the message is then the projected rows where
+    :meth:`~lightning_fullgraph.nn.context.HaloContext.sends_projection` says so (see
+    :func:`_projects_message`); otherwise the message is the layer input.
     """
     return x.size(-1) <= conv.out_channels
+
+
+def _projects_message(conv: GCNConv, ctx: HaloContext, x: Tensor) -> bool:
+    r"""Whether this (transform-first) layer exchanges :math:`X W` rather than :math:`X`:
+    the context's one rule (:meth:`~lightning_fullgraph.nn.context.HaloContext.sends_projection`).
+    Then the owners project their rows once and every rank aggregates what it receives,
+    :math:`\hat{A}\,[X_r W \,\|\, (X W)_{halo}] + b`, the maths of ``GCNConv.forward``
+    (``lin``, ``propagate``, bias) with the exchange between ``lin`` and ``propagate``."""
+    return ctx.sends_projection(x, conv.out_channels, conv.lin.weight)
+
+
+def _propagate_projected(conv: GCNConv, ctx: HaloContext, x: Tensor, score, adjacency, edge_weight=None) -> Tensor:
+    """``GCNConv.forward`` with normalisation done, the projected rows exchanged:
+    ``[N_r, F_in] -> [N_r, F_out]`` on a CSR, or ``[N_r + H_r, F_out]`` on an edge list (the
+    caller keeps the owned rows)."""
+    out = conv.propagate(adjacency, x=ctx.exchange(conv.lin(x), score, source=x), edge_weight=edge_weight)
+    return out + conv.bias if conv.bias is not None else out
 
 
 def _gcn_transform(conv: GCNConv, aggregation: Tensor) -> Tensor:
@@ -65,6 +84,8 @@ def gcn_adapter(conv: GCNConv, forward, ctx: HaloContext, x: Tensor, edge_index,
         score = ctx.gcn_score(edge_index, edge_weight, conv.improved, conv.add_self_loops, x.dtype, rule)
         if _aggregate_first(conv, x):
             return _gcn_transform(conv, conv.propagate(adj, x=ctx.exchange(x, score), edge_weight=None))
+        if _projects_message(conv, ctx, x):
+            return _propagate_projected(conv, ctx, x, score, adj)
         normalize, conv.normalize = conv.normalize, False
         try:
             return forward(ctx.exchange(x, score), adj)
@@ -84,16 +105,19 @@ def gcn_adapter(conv: GCNConv, forward, ctx: HaloContext, x: Tensor, edge_index,
         # out = A_hat (X W) + b, computed as central rows (owned sources only) while the halo
         # is in flight, then marginal rows; lin is applied once per row, before the
         # aggregation when it narrows the rows and after it otherwise (see _aggregate_first).
-        pending = ctx.exchange_async(x, score)
         first = _aggregate_first(conv, x)
-        h = x if first else conv.lin(x)
+        projected = not first and _projects_message(conv, ctx, x)
+        h = conv.lin(x) if projected else None
+        pending = ctx.exchange_async(x, score) if h is None else ctx.exchange_async(h, score, source=x)
+        if h is None:
+            h = x if first else conv.lin(x)
         if sparse:
             out_c = conv.propagate(split.central_block, x=h, edge_weight=None)
         else:
             size_c = (ctx.num_owned, split.central.numel())
             out_c = conv.propagate(split.central_block, x=h, edge_weight=split.central_weight, size=size_c)
         halo = pending.wait()
-        h_full = torch.cat([h, halo if first else conv.lin(halo)], dim=0)
+        h_full = torch.cat([h, halo if first or projected else conv.lin(halo)], dim=0)
         del halo
         if sparse:
             out_m = conv.propagate(split.marginal_block, x=h_full, edge_weight=None)
@@ -105,6 +129,10 @@ def gcn_adapter(conv: GCNConv, forward, ctx: HaloContext, x: Tensor, edge_index,
         if first:
             return _gcn_transform(conv, out)
         return out + conv.bias if conv.bias is not None else out
+    if not _aggregate_first(conv, x) and _projects_message(conv, ctx, x):
+        if sparse:
+            return _propagate_projected(conv, ctx, x, score, ctx.adjacency(edge_index, weight, csr_dtype(x)))
+        return _propagate_projected(conv, ctx, x, score, edge_index, weight)[: ctx.num_owned]
     # The conv's own code does lin/propagate/bias; only its normalisation is replaced.
     normalize, conv.normalize = conv.normalize, False
     try:

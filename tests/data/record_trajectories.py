@@ -120,8 +120,9 @@ class _StopAfter(pl.Callback):
 
 
 def fit(tmp_path: Path, mode: str, *, resume: Path | None = None, checkpoint_dir: Path | None = None,
-        stop_after: int | None = None) -> dict[str, torch.Tensor]:
-    """Trains ``mode`` (3 ranks, GraphSAGE 3 layers, Adam) and returns the final weights."""
+        stop_after: int | None = None, settings: dict | None = None) -> dict[str, torch.Tensor]:
+    """Trains ``mode`` (3 ranks, GraphSAGE 3 layers, Adam) and returns the final weights;
+    ``settings`` are strategy arguments on top of the mode's."""
     torch.manual_seed(0)
     model = NodeClassifier(conv="sage", num_layers=3, optimizer="adam", lr=0.01)
     callbacks: list = []
@@ -130,7 +131,7 @@ def fit(tmp_path: Path, mode: str, *, resume: Path | None = None, checkpoint_dir
     if stop_after is not None:
         callbacks.append(_StopAfter(stop_after))
     trainer = cpu_trainer(3, max_epochs=EPOCHS, callbacks=callbacks, enable_checkpointing=checkpoint_dir is not None,
-                          strategy_kwargs=MODES[mode])
+                          strategy_kwargs={**MODES[mode], **(settings or {})})
     trainer.fit(model, datamodule=FullGraphDataModule(directed_graph(seed=31), cache_dir=tmp_path / "parts"),
                 ckpt_path=None if resume is None else str(resume))
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

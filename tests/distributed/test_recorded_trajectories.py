@@ -46,6 +46,9 @@ from tests.data.record_trajectories import (
 )
 from tests.helpers import directed_graph
 
+#: How a checkpoint written before projected messages resumes (CHANGELOG).
+AS_0_5 = {"project_messages": False}
+
 
 def _references(mode: str) -> tuple[list[Path], bool]:
     """The folders to compare ``mode`` against and whether the comparison is bitwise: this
@@ -119,7 +122,10 @@ def test_a_checkpoint_written_by_0_5_still_resumes(mode: str, tmp_path: Path) ->
     policy state (the rounding stream's generator, Sylvie's blocks, AdaQP's bits) loads.
     Exact mode rounds nothing, so it must end bit for bit where the same epoch-4 state written
     by 0.6 (``v0.5/exact-epoch4-as-0.6.ckpt``) ends, on any host; the compressed modes end on
-    finite weights of the recorded shapes (their dither changed).
+    finite weights of the recorded shapes (their dither changed).  They resume as CHANGELOG
+    says a checkpoint written before projected messages resumes: with
+    ``project_messages=False`` (0.5 exchanged every layer's input; Sylvie's kept blocks of the
+    output layer are 16 wide, not 3).
 
     Negative control (run): a policy ``load_state_dict`` that refuses the generator state of
     0.5 fails every compressed mode here; putting another host's epoch-4 checkpoint of exact
@@ -127,16 +133,29 @@ def test_a_checkpoint_written_by_0_5_still_resumes(mode: str, tmp_path: Path) ->
     the 0.6 copy fails exact."""
     ckpt = RECORDS / "v0.5" / f"{mode}-epoch4.ckpt"
     assert ckpt.is_file(), f"{ckpt} missing"
-    weights = fit(tmp_path / "v0.5", mode, resume=ckpt)
+    weights = fit(tmp_path / "v0.5", mode, resume=ckpt, settings=AS_0_5)
     folders, _ = _references(mode)
     recorded = torch.load(folders[0] / f"{mode}.pt", weights_only=True)
     assert weights.keys() == recorded.keys()
     for key in recorded:
         assert weights[key].shape == recorded[key].shape and bool(torch.isfinite(weights[key]).all())
     if mode == "exact":
-        same_state = fit(tmp_path / "v0.6", mode, resume=RECORDS / "v0.5" / "exact-epoch4-as-0.6.ckpt")
+        same_state = fit(tmp_path / "v0.6", mode, resume=RECORDS / "v0.5" / "exact-epoch4-as-0.6.ckpt",
+                         settings=AS_0_5)
         for key in recorded:
             torch.testing.assert_close(weights[key], same_state[key], rtol=0, atol=0)
+
+
+@pytest.mark.timeout(240)
+def test_a_pipeline_checkpoint_of_input_messages_is_refused_with_the_fix(tmp_path: Path) -> None:
+    """0.5's mid-pipeline Sylvie checkpoint holds the output layer's kept blocks at the width
+    of its input (16); with projected messages (the default) that layer sends 3-wide rows, so
+    the resume stops with an error that names the fix instead of consuming blocks of another
+    message.  Negative control (run): without ``StalenessState.check_width`` the resume fails
+    deep in the decoder with a shape error that names neither cause nor fix."""
+    ckpt = RECORDS / "v0.5" / "sylvie-pipelined-epoch4.ckpt"
+    with pytest.raises(Exception, match=r"project_messages=False"):
+        fit(tmp_path, "sylvie-pipelined", resume=ckpt)
 
 
 @pytest.mark.timeout(240)

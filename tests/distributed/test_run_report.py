@@ -168,20 +168,27 @@ class InputDropout(NodeClassifier):
 
 @pytest.mark.slow
 def test_input_dropout_warns_once_naming_the_extra_traffic(tmp_path) -> None:
-    """SAGE sends its raw input rows: ``dropout(batch.x)`` is a per-epoch message 64 values
-    wide instead of a one-time transfer.  One warning (over 3 epochs) names the factor; the
-    same model without input dropout does not warn, nor does GCN whose first message,
-    ``lin(x)``, has the features' shape (64 hidden channels) but travels every epoch anyway.
+    """SAGE ``64 -> 8 -> 3`` with ``dropout(batch.x)`` before the first conv: the first layer's
+    message travels every epoch instead of once.  One warning (over 3 epochs) per fit names the
+    factor.  With projected messages (the default) the first layer sends ``X W_l^T``, 8 values
+    each way, and the output layer 3: (16 + 6) / 6 = 3.7x; with ``project_messages=False`` it
+    sends the 64-wide dropped-out features and the output layer its 8-wide input:
+    (64 + 16) / 16 = 5x.  The same model without input dropout does not warn, nor does GCN
+    whose first message, ``lin(x)``, has the features' shape (64 hidden channels) but travels
+    every epoch anyway.
 
-    Negative controls: without ``_warn_transformed_input`` the first half fails; without the
-    ``not grad`` condition in ``HaloExchanger._next_layer`` the GCN run warns (the CLI's
-    default model on the default graph did) and the second half fails.
+    Negative controls: without ``_warn_transformed_input`` the first half fails; judging a
+    projected message by itself rather than by its ``source`` (``HaloExchanger._next_layer``)
+    loses the projected run's warning; without the ``not grad`` condition there the GCN run
+    warns (the CLI's default model on the default graph did) and the second half fails.
     """
     out = _run(
         tmp_path,
         """
 data = directed_graph(seed=3, num_features=64)
 fit_two_ranks(data, tmp / "a", model=InputDropout(conv="sage", in_dim=64, hidden=8, num_layers=2), epochs=3)
+fit_two_ranks(data, tmp / "a2", model=InputDropout(conv="sage", in_dim=64, hidden=8, num_layers=2), epochs=3,
+              strategy_kwargs={"project_messages": False})
 print("=== without input dropout")
 fit_two_ranks(data, tmp / "b", model=NodeClassifier(conv="sage", in_dim=64, hidden=8, num_layers=2), epochs=3)
 # GCN's first message is lin(x): as wide as the features here, but a per-epoch message anyway
@@ -189,10 +196,10 @@ fit_two_ranks(data, tmp / "c", model=NodeClassifier(conv="gcn", in_dim=64, hidde
 """,
     )
     first, second = out.split("=== without input dropout")
-    found = re.findall(r"halo rows, 64 values each, travel every epoch.*?traffic ([\d.]+)x", first, re.S)
-    assert len(found) == 1, out[-3000:]
-    # layer 1 sends 8-wide rows forward and backward: (64 + 16) / 16 = 5x
-    assert float(found[0]) == pytest.approx(5.0, rel=0.01)
+    found = re.findall(r"halo rows \((\d+) values each\) travel every epoch.*?traffic ([\d.]+)x", first, re.S)
+    assert [int(width) for width, _ in found] == [8, 64], out[-3000:]
+    assert float(found[0][1]) == pytest.approx(22 / 6, rel=0.01)
+    assert float(found[1][1]) == pytest.approx(5.0, rel=0.01)
     assert "travel every epoch" not in second
 
 

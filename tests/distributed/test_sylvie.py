@@ -280,13 +280,19 @@ def test_seed_rule_reads_wall_clock_time(tmp_path, monkeypatch) -> None:
     a slowdown and raises its bits at other epochs than the free run's.  The step times come
     from :class:`_StepClock` (the ranks are forked, so they inherit it).
 
+    Both runs exchange every layer's input (``project_messages=False``): with the output
+    layer's projected rows this model's loss flattens by epoch 10 in the free run too, and the
+    loss alone then raises the bits at the very epochs the slowed run raises them (1, 2, 4, 8
+    from epoch 11 in both, measured); the rule, not the message, is what this test is about.
+
     Negative control (run): passing ``seconds=1`` to the seed's rule (as ``"epoch"`` does)
     makes the two schedules equal."""
     import lightning_fullgraph.strategy as strategy_module
 
     monkeypatch.setattr(strategy_module, "time", _CLOCK)
-    free, _ = _fit_default_sylvie(tmp_path, "free", _ClockedClassifier, epoch_adaptive=True)
-    slowed, _ = _fit_default_sylvie(tmp_path, "slowed", _SlowingClockedClassifier, epoch_adaptive=True)
+    settings = {"epoch_adaptive": True, "project_messages": False}
+    free, _ = _fit_default_sylvie(tmp_path, "free", _ClockedClassifier, **settings)
+    slowed, _ = _fit_default_sylvie(tmp_path, "slowed", _SlowingClockedClassifier, **settings)
     assert [bits for bits, _ in slowed] != [bits for bits, _ in free], (free, slowed)
 
 

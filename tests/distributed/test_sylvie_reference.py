@@ -34,6 +34,14 @@ The schedule (the specification; ``eps`` = ``staleness``, ``gamma`` = ``smoothin
 The layer-0 input is the batch's features: constant, so its halo is the same whether fresh
 or stale (or smoothed), and it needs no gradient; the simulation always uses the fresh rows.
 
+Projected messages (``project_messages=True``, the default): a GCN or SAGE layer after the
+first whose projection narrows the rows (here the output layer, ``16 -> 3``) sends
+``M^l = X^l W`` instead of ``X^l``: everything above holds with ``M`` for ``X`` (``HALO``,
+``GRAD``, the averages are ``M``'s rows and gradients; stale gradients are added into
+``M_q^l``'s gradient), and the layer aggregates ``cat(M_r^l, H_r^l)`` (GCN: plus the bias;
+SAGE: plus ``b_l`` and the root term ``X_r^l W_r^T``).  ``simulate_sylvie(project=False)``
+is the input-message schedule.
+
 Implementation (autograd does the bookkeeping): in a synchronous epoch the halo is gathered
 from the owners' ``X^l`` WITH autograd (the gradient flows home by itself; ``retain_grad``
 captures what was "received"); in an asynchronous epoch it is a detached leaf whose ``.grad``
@@ -151,6 +159,30 @@ def _gcn_local_edges(data: Data, part: LocalPartition) -> tuple[Tensor, Tensor]:
     return ei_r, dis[gid[ei_r[0]]] * w_r * dis[gid[ei_r[1]]]
 
 
+def _projects(conv: torch.nn.Module, layer: int, width: int) -> bool:
+    """Whether the package sends this layer's projected rows: a GCN or SAGE layer whose input
+    needs a gradient (every layer after the first) and whose projection narrows the rows."""
+    return layer > 0 and isinstance(conv, (GCNConv, SAGEConv)) and conv.out_channels < width
+
+
+def _projection(conv: torch.nn.Module, x: Tensor) -> Tensor:
+    """``X W``: GCN's ``lin``, SAGE's ``lin_l`` without its bias."""
+    return conv.lin(x) if isinstance(conv, GCNConv) else F.linear(x, conv.lin_l.weight)
+
+
+def _run_projected(conv: torch.nn.Module, x: Tensor, m: Tensor, halo: Tensor, part: LocalPartition, gcn_edges) -> Tensor:
+    """A projecting layer on rank-local ``[M_r | halo] -> owned``, from PyG's own ``propagate``."""
+    m_full = torch.cat([m, halo])
+    n = x.size(0)
+    if isinstance(conv, GCNConv):
+        ei, w = gcn_edges
+        return conv.propagate(ei, x=m_full, edge_weight=w)[:n] + conv.bias
+    out = conv.propagate(part.data.edge_index, x=(m_full, m), size=(m_full.size(0), n)) + conv.lin_l.bias
+    if conv.root_weight:
+        out = out + conv.lin_r(x)
+    return F.normalize(out, p=2.0, dim=-1) if conv.normalize else out
+
+
 def _run_conv(conv: torch.nn.Module, x: Tensor, halo: Tensor, part: LocalPartition, gcn_edges) -> Tensor:
     """The conv's own forward on rank-local bipartite graph ``[owned | halo] -> owned``."""
     x_full = torch.cat([x, halo])
@@ -176,8 +208,10 @@ def simulate_sylvie(
     drop_gradients_after_sync: bool = False,
     send_before_sync: bool = False,
     grads_out: list[dict[str, Tensor]] | None = None,
+    project: bool = True,
 ) -> dict[str, Tensor]:
     """Single-process simulation of the schedule in the module docstring; returns weights.
+    ``project``: projected messages (the package's default) or every layer's input.
 
     ``drop_gradients_after_sync`` / ``send_before_sync`` reproduce the superseded behaviour
     (the gradients of a synchronous epoch's halo rows are not kept for the next epoch; the
@@ -209,26 +243,33 @@ def simulate_sylvie(
         xs = [p.data.x for p in parts]
         for layer, conv in enumerate(model.convs):
             pipelined = layer > 0  # layer 0 reads the constant input features: always fresh
+            projected = project and _projects(conv, layer, xs[0].size(1))
+            ms = [_projection(conv, x) for x in xs] if projected else xs  # what travels
             if pipelined and not sync:
-                xs = [
-                    _AddGradient.apply(xs[q], routes.scatter_home(q, g, xs[q].size(1)))
+                ms = [
+                    _AddGradient.apply(ms[q], routes.scatter_home(q, g, ms[q].size(1)))
                     if (g := grad_avg.get((layer, q))) is not None
-                    else xs[q]
+                    else ms[q]
                     for q in range(world)
                 ]
+                if not projected:
+                    xs = ms
             outs = []
             for r in range(world):
                 if not pipelined:
-                    halo = routes.halo(xs, r)
+                    halo = routes.halo(ms, r)
                 elif sync:
-                    halo = routes.halo(xs, r)
+                    halo = routes.halo(ms, r)
                     halo.retain_grad()
                     halos[layer, r] = halo
                 else:
-                    sent[layer, r] = routes.halo([x.detach() for x in xs], r)
+                    sent[layer, r] = routes.halo([m.detach() for m in ms], r)
                     halo = halo_avg[layer, r].clone().requires_grad_()
                     halos[layer, r] = halo
-                out = _run_conv(conv, xs[r], halo, parts[r], gcn_edges[r])
+                if projected:
+                    out = _run_projected(conv, xs[r], ms[r], halo, parts[r], gcn_edges[r])
+                else:
+                    out = _run_conv(conv, ms[r], halo, parts[r], gcn_edges[r])
                 if layer < layers - 1:  # as NodeClassifier.forward
                     out = model.norms[layer](out)
                     out = F.relu(out)
@@ -306,10 +347,12 @@ class _TrafficProbe(pl.Callback):
             pl_module.log(f"probe/{name}", value, on_step=False, on_epoch=True, batch_size=1)
 
 
-def _distributed(model: NodeClassifier, data: Data, cache_dir: Path, eps: int, smoothing: float | None):
+def _distributed(model: NodeClassifier, data: Data, cache_dir: Path, eps: int, smoothing: float | None,
+                 project: bool = True):
     probe = _TrafficProbe(eps)
     trainer = cpu_trainer(WORLD, max_epochs=EPOCHS, callbacks=[probe], strategy_kwargs={
-        "mode": "sylvie", **PIPELINED, "bits": 32, "staleness": eps, "smoothing": smoothing})
+        "mode": "sylvie", **PIPELINED, "bits": 32, "staleness": eps, "smoothing": smoothing,
+        "project_messages": project})
     trainer.fit(model, datamodule=FullGraphDataModule(data, cache_dir=cache_dir))
     return model.state_dict(), trainer.callback_metrics
 
@@ -336,6 +379,24 @@ def test_distributed_sylvie_matches_reference_schedule(conv: str, eps: int, smoo
     expected = simulate_sylvie(model, data, parts, EPOCHS, eps, smoothing)
     actual, metrics = _distributed(model, data, tmp_path, eps, smoothing)
     _assert_weights_close(actual, expected, f"{conv} eps={eps} gamma={smoothing}")
+    _check_traffic(metrics, eps)
+
+
+@pytest.mark.parametrize(("conv", "eps", "smoothing"), [("sage", 3, 0.5), ("gcn", 4, None)])
+def test_input_messages_match_the_input_message_schedule(conv: str, eps: int, smoothing, tmp_path) -> None:
+    """``project_messages=False``: every layer sends its input, and the run follows the
+    simulation of that schedule, which differs from the projected one by far more than the
+    tolerance (so the comparison tells the two messages apart).
+
+    Negative control (run): simulating projected messages here fails the comparison."""
+    data = directed_graph(seed=31)
+    torch.manual_seed(0)
+    model = NodeClassifier(conv=conv, num_layers=3, lr=LR)
+    parts = datamodule_partitions(data, WORLD, tmp_path)
+    expected = simulate_sylvie(model, data, parts, EPOCHS, eps, smoothing, project=False)
+    assert _max_diff(expected, simulate_sylvie(model, data, parts, EPOCHS, eps, smoothing)) > CLEARLY_DIFFERENT
+    actual, metrics = _distributed(model, data, tmp_path, eps, smoothing, project=False)
+    _assert_weights_close(actual, expected, f"inputs {conv} eps={eps} gamma={smoothing}")
     _check_traffic(metrics, eps)
 
 

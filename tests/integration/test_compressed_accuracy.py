@@ -1,13 +1,24 @@
 """Compressed modes against exact mode on Cora and CiteSeer: 4 partitions, GCN and GraphSAGE,
 hidden 64, 60 epochs, 3 seeds (one run per mode and seed, shared by the assertions below).
 
+The model has two layers (``F -> 64 -> C``): the first reads the batch's features (sent
+once, cached), so the one per-epoch message is the output layer's, and with projected
+messages (the default) that is its projection ``X W``, ``C`` values per halo row each way
+(Cora 7, CiteSeer 6), not the 64-wide input.  A compressed row's record is a 4-byte header
+(two fp16) plus ``ceil(C b / 8)`` bytes of ``b``-bit levels, against ``4 C`` bytes in fp32:
+at ``C = 7``, 11 bytes at 8 bits and 5 at 1 bit against 28.
+
 - adaqp: mean test accuracy within 0.5 points of exact; bytes on the wire per epoch (the last
-  epoch, after the bit-width assignments) at most 1/4 of exact mode's.
+  epoch, after the bit-width assignments) below what 8-bit records would cost, i.e. the
+  assignment gave some rows fewer bits.
 - sylvie: mean test accuracy at most 1.0 point below exact (and at most 2.0 above: a
   compressed mode far ahead of exact would point at a broken exact path); bytes per epoch,
   averaged over the run (synchronous epochs send both directions, an epoch before a
-  synchronous one sends nothing), at least 20x below; every sending epoch at 1 bit.  (One-sided at 1.0: with edge-balanced partitions CiteSeer GCN gave exact
+  synchronous one sends nothing), at most what 1-bit records cost; every sending epoch at
+  1 bit.  (One-sided at 1.0: with edge-balanced partitions CiteSeer GCN gave exact
   0.6733, sylvie 0.6840 over 3 seeds, a gain inside the seed noise.)
+  (Before projected messages these runs sent the 64-wide input, and the bounds were 1/4 and
+  1/20 of exact's bytes.)
 
 Halo share of the aggregation inputs at 4 parts: Cora 5.1 %, CiteSeer 2.6 % (edges from halo
 rows over all edges plus one self term per node). Below 20 % these runs are no evidence that a
@@ -22,6 +33,7 @@ Offline datasets from ../shared/datasets (skipped with the reason where absent).
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 from functools import cache
 from pathlib import Path
@@ -102,6 +114,13 @@ def _summary(name: str, conv: str, mode: str) -> tuple[float, float, float]:
 CASES = [(n, c) for n in ("Cora", "CiteSeer") for c in ("gcn", "sage")]
 
 
+def record_share(name: str, bits: int) -> float:
+    """Bytes of a ``bits``-bit record of one output-layer row over its fp32 bytes (the module
+    docstring's wire format)."""
+    width = int(_data(name).y.max()) + 1
+    return (4 + math.ceil(width * bits / 8)) / (4 * width)
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("name", "conv"), CASES)
 def test_adaqp_accuracy_and_traffic(name, conv, shared_datasets) -> None:
@@ -110,7 +129,7 @@ def test_adaqp_accuracy_and_traffic(name, conv, shared_datasets) -> None:
     print(f"\n{name} {conv}: exact {acc_e:.4f} ({bytes_e:.0f} B/epoch) | adaqp {acc_a:.4f} "
           f"({bytes_a:.0f} B/epoch, {bytes_e / bytes_a:.1f}x less, {bits_a:.2f} bits)")
     assert abs(acc_a - acc_e) <= 0.005
-    assert bytes_a <= bytes_e / 4
+    assert bytes_a < bytes_e * record_share(name, 8)
 
 
 @pytest.mark.timeout(900)
@@ -122,4 +141,4 @@ def test_sylvie_accuracy_and_traffic(name, conv, shared_datasets) -> None:
           f"({bytes_s:.0f} B/epoch, {bytes_e / bytes_s:.1f}x less, {bits_s:.2f} bits)")
     assert bits_s == 1.0
     assert acc_e - 0.010 <= acc_s <= acc_e + 0.020
-    assert bytes_s * 20 <= bytes_e
+    assert bytes_s <= bytes_e * record_share(name, 1)

@@ -13,6 +13,11 @@ from 1 as the loss flattens) 0.919/0.9147, 0.915/0.9116, 0.913/0.9069 (0.9157; o
 throughout, ``epoch_adaptive=False``: 0.9125/0.9098, 0.9100/0.9047, 0.9130/0.9041, 0.9118); adaqp 0.9155/0.9120, 0.9135/0.9120, 0.9185/0.9140 (0.9158); the
 stale pipeline forced on (``max_halo_share=1.0``, no guard) 0.534/0.296, 0.647/0.267,
 0.594/0.382 (0.592).  With the guard alone (earlier codec, seed 0) 0.867 / 0.687.
+With projected messages (the output layer sends ``X W``, 16 values per row, not 256; the
+AMD EPYC host, 2026-12-07): exact 0.9185/0.9165, 0.9185/0.9128, 0.9160/0.9137 (0.9177);
+sylvie 0.9150/0.9137, 0.9165/0.9115, 0.9120/0.9103 (0.9145); adaqp 0.9175/0.9142,
+0.9185/0.9159, 0.9170/0.9106 (0.9177); the stale pipeline 0.4685/0.2884, 0.4285/0.2417,
+0.5400/0.2702 (0.4790).
 
 Seeds: ``LFG_CONVERGENCE_SEEDS`` (default ``0``; ``0,1,2`` for the 3-seed means of the
 README, about 6 minutes on 2 cores).

@@ -49,7 +49,12 @@ class FakeExchanger:
             return HALO_DEGREE.to(x.dtype).view(-1, 1)
         return self.halo_x[:, : x.size(1)].to(x.dtype)
 
-    def exchange(self, x: Tensor, exact: bool = False, score: Any = None) -> Tensor:
+    def is_static(self, x: Tensor) -> bool:
+        # The fixed halo rows stand for remote rows of a layer INPUT: a projection of them
+        # (HaloContext.sends_projection) cannot be faked, so every input travels as itself.
+        return True
+
+    def exchange(self, x: Tensor, exact: bool = False, score: Any = None, source: Any = None) -> Tensor:
         self.calls.append((exact, score))
         return torch.cat([x, self._halo(x, exact)], dim=0)
 
@@ -57,7 +62,7 @@ class FakeExchanger:
         self.calls.append((exact, score))
         return self._halo(x, exact)
 
-    def exchange_async(self, x: Tensor, exact: bool = False, score: Any = None) -> _Pending:
+    def exchange_async(self, x: Tensor, exact: bool = False, score: Any = None, source: Any = None) -> _Pending:
         self.calls.append((exact, score))
         return _Pending(self._halo(x, exact))
 

@@ -44,13 +44,18 @@ class _Exchanger:
             return torch.full((NUM_HALO, x.size(1)), 7.0, dtype=x.dtype)
         return self.halo_x[:, : x.size(1)].to(x.dtype)
 
-    def exchange(self, x: Tensor, exact: bool = False, score: Any = None) -> Tensor:
+    def is_static(self, x: Tensor) -> bool:
+        # The fixed halo rows stand for remote rows of a layer INPUT: a projection of them
+        # (HaloContext.sends_projection) cannot be faked, so every input travels as itself.
+        return True
+
+    def exchange(self, x: Tensor, exact: bool = False, score: Any = None, source: Any = None) -> Tensor:
         return torch.cat([x, self._halo(x, exact)], dim=0)
 
     def halo(self, x: Tensor, exact: bool = False, score: Any = None) -> Tensor:
         return self._halo(x, exact)
 
-    def exchange_async(self, x: Tensor, exact: bool = False, score: Any = None) -> _Pending:
+    def exchange_async(self, x: Tensor, exact: bool = False, score: Any = None, source: Any = None) -> _Pending:
         return _Pending(self._halo(x, exact))
 
 

@@ -151,6 +151,20 @@ class StalenessState:
                 "beyond the one-epoch staleness bound (a schedule error: please report it)"
             )
 
+    @staticmethod
+    def check_width(pipe: LayerPipe, layer: int, width: int) -> None:
+        """Refuses kept blocks of another width than the layer's message (a checkpoint
+        written by a version, or with settings, that sent this layer other rows)."""
+        kept = [b.shape[-1] for b in (pipe.halo, pipe.grad) if b is not None]
+        if any(w != width for w in kept):
+            raise RuntimeError(
+                f"sylvie: layer {layer} sends rows of width {width}, but the pipeline state holds "
+                f"blocks of width {kept} from the checkpoint it resumed: they were written by a run "
+                "that exchanged other rows for this layer (an earlier version of lightning-fullgraph "
+                "exchanged every layer's input). Resume with FullGraphStrategy(project_messages=False), "
+                "or with the model and settings that wrote the checkpoint"
+            )
+
     def begin_epoch(self, epoch: int, synchronous: bool) -> None:
         self.epoch = epoch
         self.ages.clear()
@@ -324,6 +338,7 @@ class _StaleFn(torch.autograd.Function):
             # synchronous epoch): fetch fresh rows rather than feed zeros
             st.receive_halo(pipe, exchanger.fetch(x, layer), st.epoch, synchronous=True)
         st.check_consumable(pipe, layer, "halo rows")
+        st.check_width(pipe, layer, x.size(-1))
         if schedule.launch:
             pipe.fwd_pending = exchanger.send_forward(x, layer).received
             pipe.fwd_epoch = st.epoch
