@@ -10,6 +10,8 @@ same exchange (once, then cached: :meth:`~lightning_fullgraph.nn.context.HaloCon
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 from torch_geometric.nn.conv import GCNConv
@@ -44,7 +46,14 @@ def _projects_message(conv: GCNConv, ctx: HaloContext, x: Tensor) -> bool:
     return ctx.sends_projection(x, conv.out_channels, conv.lin.weight)
 
 
-def _propagate_projected(conv: GCNConv, ctx: HaloContext, x: Tensor, score, adjacency, edge_weight=None) -> Tensor:
+def _propagate_projected(
+    conv: GCNConv,
+    ctx: HaloContext,
+    x: Tensor,
+    score: Callable[[], Tensor],
+    adjacency: Tensor,
+    edge_weight: Tensor | None = None,
+) -> Tensor:
     """``GCNConv.forward`` with normalisation done, the projected rows exchanged:
     ``[N_r, F_in] -> [N_r, F_out]`` on a CSR, or ``[N_r + H_r, F_out]`` on an edge list (the
     caller keeps the owned rows)."""
