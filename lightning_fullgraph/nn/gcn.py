@@ -116,9 +116,11 @@ def gcn_adapter(conv: GCNConv, forward, ctx: HaloContext, x: Tensor, edge_index,
         # aggregation when it narrows the rows and after it otherwise (see _aggregate_first).
         first = _aggregate_first(conv, x)
         projected = not first and _projects_message(conv, ctx, x)
-        h = conv.lin(x) if projected else None
-        pending = ctx.exchange_async(x, score) if h is None else ctx.exchange_async(h, score, source=x)
-        if h is None:
+        if projected:
+            h = conv.lin(x)
+            pending = ctx.exchange_async(h, score, source=x)
+        else:
+            pending = ctx.exchange_async(x, score)
             h = x if first else conv.lin(x)
         if sparse:
             out_c = conv.propagate(split.central_block, x=h, edge_weight=None)
