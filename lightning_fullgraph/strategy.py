@@ -44,6 +44,7 @@ from lightning_fullgraph.comm.exchange import HaloExchanger
 from lightning_fullgraph.comm.policies import CompressionPolicy, PolicyEnv, resolve_policy
 from lightning_fullgraph.data.validation import all_finite
 from lightning_fullgraph.launch.preflight import missing_datamodule_error
+from lightning_fullgraph.launch.rendezvous import RENDEZVOUS_TIMEOUT, join_process_group
 from lightning_fullgraph.metrics import CommMetricsLogger
 from lightning_fullgraph.nn.context import HaloContext
 from lightning_fullgraph.nn.overlap import OverlapDecision, decide_overlap
@@ -165,6 +166,9 @@ class FullGraphStrategy(DDPStrategy):
             summed.
         mask_key: Node mask that defines the training nodes for ``"train_mask"`` weighting.
         timeout: Process-group timeout; a rank that dies makes the others fail after it.
+        rendezvous_timeout: How long the ranks may take to start and meet (default 10 min,
+            torchrun's); the start is not a collective, so a short ``timeout`` does not bound
+            it (the longer of the two does: :mod:`lightning_fullgraph.launch.rendezvous`).
         start_method: ``"popen"`` (default, scripts and CLI), ``"fork"``, ``"spawn"``, ...
             With several ranks, SIGTERM/SIGINT stop every rank within seconds (status
             ``128 + signum``) and no rank outlives its launcher (:mod:`lightning_fullgraph.launch`).
@@ -208,6 +212,7 @@ class FullGraphStrategy(DDPStrategy):
         loss_weighting: Literal["train_mask", "mean", "sum"] = "train_mask",
         mask_key: str = "train_mask",
         timeout: timedelta | None = default_pg_timeout,
+        rendezvous_timeout: timedelta | None = RENDEZVOUS_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: str | None = None,
         **kwargs: Any,
@@ -234,6 +239,7 @@ class FullGraphStrategy(DDPStrategy):
         self.check_finite = check_finite
         self.sparse_aggregation = bool(sparse_aggregation)
         self.project_messages = bool(project_messages)
+        self.rendezvous_timeout = rendezvous_timeout
         self.loss_weighting = loss_weighting
         self.mask_key = mask_key
         self._failed = False
@@ -296,6 +302,15 @@ class FullGraphStrategy(DDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
+        # Lightning's own connection (``_init_dist_connection``) would bound the ranks' start
+        # by ``timeout``; joined here first, Lightning finds the group initialised.
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        join_process_group(
+            self.cluster_environment, self._process_group_backend, self._timeout, self.rendezvous_timeout, device_id
+        )
         super().setup_distributed()
         if self.world_size > 1:
             # Halo traffic on its own communicator, created in the same order on every rank.

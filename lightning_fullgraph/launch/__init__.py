@@ -4,6 +4,8 @@
 * :mod:`~lightning_fullgraph.launch.report`: each error reported once, by the rank that found it;
 * :mod:`~lightning_fullgraph.launch.launchers`: the ``popen`` and ``fork``/``spawn`` launchers,
   the launcher's checks before any rank starts, child supervision;
+* :mod:`~lightning_fullgraph.launch.rendezvous`: joining the process group, the ranks' start
+  bounded apart from the collectives' timeout;
 * :mod:`~lightning_fullgraph.launch.preflight`: those checks, on the datamodule's public API
   (imported where used, not here: it imports the datamodule).
 """

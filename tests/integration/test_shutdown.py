@@ -282,8 +282,9 @@ def test_a_rank_stalled_past_the_timeout_leaves_no_orphan(run_script) -> None:
     """Sylvie, rank 1 sleeps 100 s (timeout 20 s): rank 0 fails with the timeout, and rank 1 is
     gone a few seconds after the launcher exits, not when its sleep ends.
 
-    The timeout is the other tests' 20 s: it bounds every collective of the run, the start
-    (rank 1's imports, the partitioning) included, which a loaded CI machine can stretch.
+    The timeout is the other tests' 20 s: it bounds every collective of the run (the ranks'
+    start is bounded by ``rendezvous_timeout`` instead, which a loaded CI machine can stretch
+    past 20 s: :mod:`lightning_fullgraph.launch.rendezvous`).
 
     Negative control (run): rank 1 is still alive after the launcher has exited; it lives until
     its sleep ends, ~80 s later."""
