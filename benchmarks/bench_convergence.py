@@ -62,6 +62,10 @@ MODES: dict[str, dict[str, Any]] = {
     "sylvie-fixed": {"mode": "sylvie", "epoch_adaptive": False},
     # two bits instead of one (a candidate default above max_halo_share)
     "sylvie-2bit": {"mode": "sylvie", "bits": 2},
+    # every layer sends its input (project_messages=False), as before 2026-12-07
+    "exact-inputs": {"mode": "exact", "project_messages": False},
+    "adaqp-inputs": {"mode": "adaqp", "project_messages": False},
+    "sylvie-inputs": {"mode": "sylvie", "project_messages": False},
 }
 FANOUTS = [15, 10, 5]
 
