@@ -20,6 +20,7 @@ ranks: the launchers' supervision stops the run (:mod:`lightning_fullgraph.launc
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from datetime import timedelta
@@ -30,9 +31,12 @@ import torch.distributed as dist
 from torch.distributed import rendezvous
 from torch.distributed.constants import default_pg_timeout
 
-__all__ = ["RENDEZVOUS_TIMEOUT", "join_process_group", "rendezvous_seconds"]
+__all__ = ["RENDEZVOUS_TIMEOUT", "destroy_at_exit", "join_process_group", "rendezvous_seconds"]
 
-log = logging.getLogger(__name__)
+#: The logger of the Lightning function this module stands in for (``_init_dist_connection``):
+#: its lines ("Initializing distributed: ...") are the ones users and their log parsers know,
+#: and Lightning gives that logger its handler.
+log = logging.getLogger("lightning.fabric.utilities.distributed")
 
 #: How long ranks wait for each other to start (torchrun's default ``join_timeout``).
 RENDEZVOUS_TIMEOUT = timedelta(minutes=10)
@@ -65,7 +69,8 @@ def join_process_group(
         device_id: As ``init_process_group``'s (``None`` on CPU).
 
     Does nothing when a default group exists.  Under torchrun's agent store (its rendezvous
-    is done) it calls ``init_process_group`` as Lightning does.
+    is done) it calls ``init_process_group`` as Lightning does.  An NCCL group is destroyed at
+    exit, as Lightning's connection does (torch warns about one left alive).
     """
     if dist.is_initialized():
         return
@@ -78,11 +83,24 @@ def join_process_group(
         kwargs["timeout"] = timeout
     if os.environ.get(_AGENT_STORE_ENV) == str(True):
         dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
-        return
-    wait = rendezvous_seconds(timeout, rendezvous_timeout)
-    store, rank, world_size = next(rendezvous("env://", rank, world_size, timeout=wait))
-    store.set_timeout(timeout or default_pg_timeout)
-    # the prefix init_process_group gives the store of its own rendezvous (a multi-tenant
-    # store may serve other groups on the same port)
-    store = dist.PrefixStore("default_pg", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
+    else:
+        wait = rendezvous_seconds(timeout, rendezvous_timeout)
+        store, rank, world_size = next(rendezvous("env://", rank, world_size, timeout=wait))
+        store.set_timeout(timeout or default_pg_timeout)
+        # the prefix init_process_group gives the store of its own rendezvous (a multi-tenant
+        # store may serve other groups on the same port)
+        store = dist.PrefixStore("default_pg", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
+    if backend == "nccl":
+        atexit.register(destroy_at_exit)
+    if rank == 0:
+        log.info(
+            f"{'-' * 100}\ndistributed_backend={backend}\n"
+            f"All distributed processes registered. Starting with {world_size} processes\n{'-' * 100}\n"
+        )
+
+
+def destroy_at_exit() -> None:
+    """Destroys the default group if it still exists (registered for NCCL at exit)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
