@@ -10,7 +10,10 @@ rows from the plan; per-row variance coefficients drawn once, log-normal, seeded
 (layer, direction) with each profile and with ``link_costs="uniform"``, and prints the mean
 assigned bits and each link's fitted costs side by side, and each profile's time.
 
-``python benchmarks/link_profile.py`` (about 30 s on 2 cores).  Nothing is asserted: the
+``python benchmarks/link_profile.py`` (about 30 s on 2 cores); ``--profiles 16x5,8x3`` compares
+the policy's profile with a cheaper one (sizes x repeats), each twice; behind an emulated link:
+``unshare -n bash -c "ip link set lo up; tc qdisc add dev lo root tbf rate 1gbit burst 1mbit
+latency 50ms; python benchmarks/link_profile.py"``.  Nothing is asserted: the
 test of the behaviour is ``tests/distributed/test_adaptive.py``.
 """
 
@@ -37,6 +40,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--group-size", type=int, default=100)
+    p.add_argument("--profiles", default="16x5",
+                   help="comma-separated SIZESxREPEATS of the policy's profile to compare, each run twice "
+                   "(default: the policy's, 16x5)")
+    p.add_argument("--no-former", action="store_true", help="skip the former rule (4 sizes x 3 repeats)")
     return p.parse_args(argv)
 
 
@@ -70,6 +77,17 @@ def legacy_costs(rank: int, world_size: int) -> dict:
     return {pair: c for table in gathered for pair, c in table.items()}
 
 
+def _qdisc() -> str:
+    """The loopback's queueing discipline (a ``tc tbf`` throttle when run behind ``unshare -n``)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "qdisc unknown"
+    return " ".join(out.split()) or "qdisc unknown"
+
+
 def worker(rank: int, world_size: int, a: argparse.Namespace) -> None:
     import warnings
 
@@ -98,12 +116,17 @@ def worker(rank: int, world_size: int, a: argparse.Namespace) -> None:
         return message_range({k: local[r].plan.counts(k[1])[0] for k in dims}, dims, ADAPTIVE_BITS, float(META_NBYTES))
 
     runs, times = {}, {}
+    configs = [tuple(int(v) for v in c.split("x")) for c in a.profiles.split(",")]
+    profiled = [f"profile {n}x{r} {i}" for n, r in configs for i in (1, 2)]
     with warnings.catch_warnings(record=True) as notes:
         warnings.simplefilter("always", UserWarning)
-        for name in ("profile 1", "profile 2"):
-            links, figures = profile_links(None, rank, world_size, torch.device("cpu"), span_of(rank))
+        for name in profiled:
+            num_sizes, repeats = (int(v) for v in name.split()[1].split("x"))
+            links, figures = profile_links(None, rank, world_size, torch.device("cpu"), span_of(rank),
+                                           num_sizes=num_sizes, repeats=repeats)
             runs[name], times[name] = links, figures["profile_time"]
-    for name in ("former 1", "former 2"):
+    former = [] if a.no_former else ["former 1", "former 2"]
+    for name in former:
         start = time.perf_counter()
         runs[name], times[name] = legacy_costs(rank, world_size), time.perf_counter() - start
     if rank != 0:
@@ -132,16 +155,16 @@ def worker(rank: int, world_size: int, a: argparse.Namespace) -> None:
             bits, rows = bits + res.average_bits * n, rows + n
         return bits / rows
 
-    names = ["profile 1", "profile 2", "former 1", "former 2"]
+    names = profiled + former
     lo_hi = {(s, p): span_of(s)[p] for s, p in pairs}
     print(f"# link profile, {world_size} ranks, community {a.nodes} nodes, GCN {a.layers} x {a.hidden} "
-          f"(input {a.features}), loopback; load average {os.getloadavg()[0]:.2f}\n")
+          f"(input {a.features}), loopback ({_qdisc()}); load average {os.getloadavg()[0]:.2f}\n")
     print("| costs | mean bits | profile s |")
     print("|---|---|---|")
     for name in names:
         print(f"| {name} | {mean_bits(costs_of(name)):.2f} | {times[name]:.2f} |")
     print(f"| uniform | {mean_bits({p: NOMINAL_COST for p in pairs}):.2f} | 0 |\n")
-    print("| link | message range KB | " + " | ".join(f"{n}: alpha ns/B, beta us" for n in names) + " | profile 1/2 source |")
+    print("| link | message range KB | " + " | ".join(f"{n}: alpha ns/B, beta us" for n in names) + " | profiles' source |")
     print("|---|---|" + "---|" * len(names) + "---|")
     for pair in pairs:
         cells = []
@@ -149,9 +172,9 @@ def worker(rank: int, world_size: int, a: argparse.Namespace) -> None:
             c = costs_of(name)[pair]
             cells.append(f"{c.alpha * 1e9:.3f}, {c.beta * 1e6:.0f}")
         lo, hi = lo_hi[pair]
-        src = f"{runs['profile 1'].source[pair]}/{runs['profile 2'].source[pair]}"
+        src = "/".join(runs[name].source[pair] for name in profiled)
         print(f"| {pair[0]}->{pair[1]} | {lo / 1e3:.0f}-{hi / 1e3:.0f} | " + " | ".join(cells) + f" | {src} |")
-    for name in ("profile 1", "profile 2"):
+    for name in profiled:
         fit = runs[name].pooled
         print(f"\n{name}: pooled fit alpha {fit.cost.alpha * 1e9:.3f} ns/B, beta {fit.cost.beta * 1e6:.0f} us, "
               f"R^2 {fit.r2:.2f}, {'accepted' if fit.accepted else 'rejected: ' + fit.reason}")

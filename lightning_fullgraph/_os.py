@@ -1,4 +1,4 @@
-"""Operating-system plumbing, one copy each: process liveness, ``/proc`` memory, ``flock``, atomic writes.
+"""Operating-system plumbing, one copy each: process liveness, ``/proc`` memory, ``flock``, atomic writes, the collector's frozen heap.
 
 Linux first; every function degrades to a documented answer where the facility is missing
 (no ``/proc``, no ``fcntl``), and none has a side effect at import.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import os
 import sys
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
 __all__ = [
+    "FrozenHeap",
     "flock_exclusive",
     "max_rss_mib",
     "pid_alive",
@@ -120,6 +122,43 @@ def release_free_heap() -> bool:
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
     return True
+
+
+class FrozenHeap:
+    """Moves every object the cyclic garbage collector tracks into its permanent generation
+    (``gc.freeze()``) between :meth:`install` and :meth:`remove` (both idempotent), so that a
+    full collection during training examines only the objects training creates.
+
+    Why: a training process tracks about 530,000 objects once torch, Lightning, PyG, numba and
+    the partition are loaded, and the first full (generation 2) collection walks all of them:
+    0.40-0.46 s a rank, measured inside the first epoch of adaqp and sylvie on the 54.6 %-halo
+    benchmark graph (4 forked ranks, 2 cores), which took 1.76-2.01 s there against 0.58-0.65 s
+    with the heap frozen; the ranks' collections contend for the cores and a rank that
+    collects holds up every peer at the next exchange.  Nothing is lost but cyclic garbage
+    among the frozen objects, which waits for :meth:`remove` (objects freed by reference
+    counting go at once, as always).
+
+    :meth:`remove` gives the objects back to the oldest generation (``gc.unfreeze()``), which
+    leaves the process's collector as before, unless the heap was already frozen when
+    :meth:`install` ran: then someone else froze it, and neither method touches it.
+    """
+
+    def __init__(self) -> None:
+        self._mine = False
+
+    def install(self) -> None:
+        if not self._mine and gc.get_freeze_count() == 0:
+            gc.freeze()
+            self._mine = True
+
+    def remove(self) -> None:
+        if self._mine:
+            gc.unfreeze()
+            self._mine = False
+
+    @property
+    def installed(self) -> bool:
+        return self._mine
 
 
 def reset_peak_rss() -> bool:

@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fullgraph._os import FrozenHeap
 from lightning_fullgraph._warnings import ScopedWarningFilter, leafspec_filter
 from lightning_fullgraph.checkpoint import CHECKPOINT_KEY, PARTITION_KEYS, gather_policy_states, reset_reason
 from lightning_fullgraph.comm.exchange import HaloExchanger
@@ -273,6 +274,7 @@ class FullGraphStrategy(DDPStrategy):
         # to them. Lightning warns at epoch end, so the filter spans setup..teardown.
         self._comm_warning = ScopedWarningFilter(r".*self\.log\('comm/.*sync_dist=True")
         self._leafspec_warning = leafspec_filter()
+        self._frozen_heap = FrozenHeap()
 
     @property
     def mode(self) -> str:
@@ -398,6 +400,8 @@ class FullGraphStrategy(DDPStrategy):
         if self._comm_callback not in trainer.callbacks:
             trainer.callbacks.append(self._comm_callback)
         super().setup(trainer)
+        # last, so that what setup built is frozen too (lightning_fullgraph._os.FrozenHeap)
+        self._frozen_heap.install()
 
     def describe_run(self) -> str:
         """The fit-start line: mode and settings, graph, parts, halo rows per rank and their
@@ -597,6 +601,7 @@ class FullGraphStrategy(DDPStrategy):
                 self._exchanger.clear_cache()
             self._comm_warning.remove()
             self._leafspec_warning.remove()
+            self._frozen_heap.remove()
             super().teardown()
         finally:
             if guard is not None:

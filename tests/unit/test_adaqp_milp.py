@@ -424,6 +424,27 @@ def test_the_default_gap_reaches_the_optimum_of_a_latency_dominated_problem(solv
     assert best.objective == pytest.approx(0.1237988, abs=1e-6)
 
 
+def test_a_problem_of_a_real_runs_size_needs_no_highs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 ranks x 30 groups per pair (~90 a round: the size of an adaqp key on the 54.6 %-halo
+    benchmark graph, where HiGHS took 0.1-1.3 s per key to certify 1e-3): at the default
+    ``MIP_REL_GAP`` every round's rounded relaxation is certified, HiGHS is never called
+    (it raises here), and the objective is within 1 % of the proven optimum's.  Negative
+    control: ``MIP_REL_GAP = 1e-3`` (the former default) calls HiGHS, which raises, and the
+    status is ``fallback``."""
+    problem = _random_joint(world_size=4, groups_per_pair=30, seed=1, feature_dim=256)
+    best = assign_bits(problem, 0.5, mip_rel_gap=0.0, solver="highs")
+    assert best.status == "optimal"
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("HiGHS called")
+
+    monkeypatch.setattr(assign_mod, "milp", boom)
+    res = assign_bits(problem, 0.5)
+    assert res.status == "optimal", res.message
+    assert "rounds [1, 2, 3]: rounded LP relaxation" in res.message
+    assert best.objective <= res.objective <= 1.01 * best.objective
+
+
 def test_large_rounds_are_solved_by_the_certified_relaxation(monkeypatch: pytest.MonkeyPatch) -> None:
     """4 ranks x 400 groups per pair: every round's rounded LP relaxation is certified within
     ``mip_rel_gap`` above its floor, so HiGHS is never called (it raises here), and the

@@ -48,8 +48,8 @@ in peer-rank order.  A layer ``l`` has two message directions, keyed ``(l, "forw
      :math:`\lambda \, \hat V + (1 - \lambda) \, \hat T`, :math:`T = \sum_r Z_r` (normalised
      between all-min-bits and all-max-bits); :func:`~.milp.assign_bits` solves it as
      independent per-round MILPs, one per round that has a group (the separation is exact;
-     each round is solved to HiGHS' relative gap ``1e-3`` within a shared 10 s budget, with
-     a greedy fallback, see :mod:`~.milp`);
+     each round is solved to a relative gap of ``1e-2``, :data:`~.milp.MIP_REL_GAP`, within a
+     shared 10 s budget, with a greedy fallback, see :mod:`~.milp`);
    * rank 0 broadcasts the group bit-widths; each rank expands them to per-row send bits
      ``[M]`` and obtains, through the control all-to-all, the bit-width of every row it
      receives in that direction, ``[sum(recv_counts)]``.
@@ -153,8 +153,8 @@ def profile_links(
     world_size: int,
     device: torch.device | str,
     message_bytes: Sequence[tuple[float, float]],
-    num_sizes: int = 16,
-    repeats: int = 5,
+    num_sizes: int = 8,
+    repeats: int = 3,
     max_probe_bytes: int = 1 << 24,
     min_r2: float = 0.8,
     tolerance: float = 0.25,
@@ -180,8 +180,10 @@ def profile_links(
        note (a rejected fit, naming the link).
 
     Cost: at most ``(W - 1) * (num_sizes * repeats + 1)`` exchanges of at most
-    ``max_probe_bytes`` each, plus a barrier each; defaults: 243 exchanges at 4 ranks
-    (about 0.5-1 s on loopback; the benchmark ``benchmarks/link_profile.py`` prints it).
+    ``max_probe_bytes`` each, plus a barrier each; defaults: 75 exchanges at 4 ranks (about
+    1.4 s behind one shared 1 Gbit/s link for a GCN 3 x 256 on a 20k-node graph, 4.4 s with
+    16 sizes x 5 repeats, which gave the same costs and the same mean bits;
+    ``benchmarks/link_profile.py --profiles 16x5,8x3`` prints both).
     Probe tensors (``uint8``) live on ``device`` (NCCL needs CUDA, gloo CPU); on CUDA the
     device is synchronised around every timed message.
 
