@@ -48,7 +48,7 @@ if str(REPO) not in sys.path:
 if str(BENCH_DIR) not in sys.path:
     sys.path.insert(0, str(BENCH_DIR))
 
-from common import SHARED, check_link_support, link_wrapper, parse_rate  # noqa: E402
+from common import SHARED, check_link_support, link_wrapper, lowloc_graph, parse_rate  # noqa: E402
 
 GRAPHS = ("lowloc", "cora", "citeseer", "tolokers", "products-like")
 MODES: dict[str, dict[str, Any]] = {
@@ -115,12 +115,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # -- graphs ------------------------------------------------------------------------------
 def load_graph(name: str, nodes: int, cache_dir: Path):
     """(data, metric): ``metric`` is ``"accuracy"`` or ``"rocauc"``."""
-    from lightning_fullgraph.data.datasets import community_graph, load_dataset
+    from lightning_fullgraph.data.datasets import load_dataset
 
     if name == "lowloc":
-        # the low-locality graph of tests/integration/test_convergence.py (55 % halo at 4 parts)
-        return community_graph(num_nodes=12000, num_classes=16, homophily=0.45, avg_degree=24, feature_noise=1.0,
-                               train_per_class=100, num_val=2000, num_test=2000, seed=0), "accuracy"
+        return lowloc_graph(), "accuracy"
     if name in ("cora", "citeseer"):
         return load_dataset(name, root=SHARED / "Planetoid", cache_dir=cache_dir), "accuracy"
     if name == "tolokers":

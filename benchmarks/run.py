@@ -54,6 +54,7 @@ from common import (  # noqa: E402
     check_link_support,
     config,
     link_wrapper,
+    lowloc_graph,
     parse_rate,
     part_key,
     run_config,
@@ -122,7 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(its own options: run.py --scale --help; see bench_scale.py)")
     p.add_argument("--name", help="results file stem (default: the preset's name, else 'bench')")
     p.add_argument("--out-dir", default=str(BENCH_DIR / "results"), help="where <name>.json/.md/.png go")
-    p.add_argument("--graph", choices=("community", "products-like", "tolokers", "cora"),
+    p.add_argument("--graph", choices=("community", "products-like", "tolokers", "cora", "lowloc"),
                    help="graph of the main comparison")
     p.add_argument("--nodes", type=int, help="nodes of the generated community or products-like graph, 10^4 .. "
                    "2449029 (default 10^5)")
@@ -334,6 +335,8 @@ def load_graph(kind: str, nodes: int, cache_dir: Path, seed: int):
         if not root.is_dir():
             raise SystemExit(f"cora needs the offline datasets at {root}")
         return load_dataset("Cora", root=root, cache_dir=cache_dir / "datasets"), "cora", "Cora"
+    if kind == "lowloc":  # one fixed graph (its own seed): the convergence study's
+        return lowloc_graph(), "lowloc", "low-locality graph (54.6 % halo at 4 parts)"
     raise ValueError(kind)
 
 

@@ -149,14 +149,13 @@ def contraction(bits: int, rows: int = 2000, cols: int = 256, steps: int = 20, s
 def simulate(a: argparse.Namespace) -> dict:
     import torch
     import torch.nn.functional as F
+    from common import lowloc_graph
     from torch_geometric.utils import add_remaining_self_loops, scatter
 
-    from lightning_fullgraph.data.datasets import community_graph
     from lightning_fullgraph.partition.partitioner import partition_graph
 
     torch.set_num_threads(1)
-    g = community_graph(num_nodes=12000, num_classes=16, homophily=0.45, avg_degree=24, feature_noise=1.0,
-                        train_per_class=100, num_val=2000, num_test=2000, seed=0)
+    g = lowloc_graph()
     n = g.num_nodes
     parts = partition_graph(g.edge_index, n, a.parts)
     ei, _ = add_remaining_self_loops(g.edge_index, num_nodes=n)
