@@ -424,6 +424,20 @@ def test_the_default_gap_reaches_the_optimum_of_a_latency_dominated_problem(solv
     assert best.objective == pytest.approx(0.1237988, abs=1e-6)
 
 
+def _solved_without_highs(monkeypatch: pytest.MonkeyPatch, problem: AssignmentProblem):
+    """``assign_bits`` at its defaults with HiGHS raising if called (the patch stays for the
+    rest of the test); every round must be the certified rounding of its LP relaxation."""
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("HiGHS called")
+
+    monkeypatch.setattr(assign_mod, "milp", boom)
+    res = assign_bits(problem, 0.5)
+    assert res.status == "optimal", res.message
+    assert "rounds [1, 2, 3]: rounded LP relaxation" in res.message
+    return res
+
+
 def test_a_problem_of_a_real_runs_size_needs_no_highs(monkeypatch: pytest.MonkeyPatch) -> None:
     """4 ranks x 30 groups per pair (~90 a round: the size of an adaqp key on the 54.6 %-halo
     benchmark graph, where HiGHS took 0.1-1.3 s per key to certify 1e-3): at the default
@@ -434,14 +448,7 @@ def test_a_problem_of_a_real_runs_size_needs_no_highs(monkeypatch: pytest.Monkey
     problem = _random_joint(world_size=4, groups_per_pair=30, seed=1, feature_dim=256)
     best = assign_bits(problem, 0.5, mip_rel_gap=0.0, solver="highs")
     assert best.status == "optimal"
-
-    def boom(*args, **kwargs):
-        raise RuntimeError("HiGHS called")
-
-    monkeypatch.setattr(assign_mod, "milp", boom)
-    res = assign_bits(problem, 0.5)
-    assert res.status == "optimal", res.message
-    assert "rounds [1, 2, 3]: rounded LP relaxation" in res.message
+    res = _solved_without_highs(monkeypatch, problem)
     assert best.objective <= res.objective <= 1.01 * best.objective
 
 
@@ -453,14 +460,7 @@ def test_large_rounds_are_solved_by_the_certified_relaxation(monkeypatch: pytest
     problem = _random_joint(world_size=4, groups_per_pair=400, seed=3, feature_dim=128)
     reference = assign_bits(problem, 0.5, solver="highs")
     assert reference.status == "optimal"
-
-    def boom(*args, **kwargs):
-        raise RuntimeError("HiGHS called")
-
-    monkeypatch.setattr(assign_mod, "milp", boom)
-    res = assign_bits(problem, 0.5)
-    assert res.status == "optimal", res.message
-    assert "rounds [1, 2, 3]: rounded LP relaxation" in res.message
+    res = _solved_without_highs(monkeypatch, problem)
     assert res.objective <= reference.objective + 1e-3
     assert _objective(problem, res.bits_per_group, 0.5) == pytest.approx(res.objective, abs=1e-12)
     assert assign_bits(problem, 0.5, solver="highs").status == "fallback"
