@@ -439,7 +439,7 @@ def _solved_without_highs(monkeypatch: pytest.MonkeyPatch, problem: AssignmentPr
 
 
 def test_a_problem_of_a_real_runs_size_needs_no_highs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """4 ranks x 30 groups per pair (~90 a round: the size of an adaqp key on the 54.6 %-halo
+    """4 ranks x 30 groups per pair (120 a round, about the size of an adaqp key on the 54.6 %-halo
     benchmark graph, where HiGHS took 0.1-1.3 s per key to certify 1e-3): at the default
     ``MIP_REL_GAP`` every round's rounded relaxation is certified, HiGHS is never called
     (it raises here), and the objective is within 1 % of the proven optimum's.  Negative
