@@ -771,6 +771,12 @@ def scaling_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+#: The graph issue 31's epoch speed-up goals are set on (1 Gbit/s shared; the communication-bound
+#: preset, which runs it). Issue 28's goals on the other graphs are on time to accuracy
+#: (``run.py --convergence``), which an epoch benchmark does not measure.
+GOAL_GRAPH = "tolokers"
+
+
 def goal_lines(report: dict[str, Any]) -> list[str]:
     """The issue's goals, checked on the largest rank count of every group of the main section."""
     out = []
@@ -781,25 +787,30 @@ def goal_lines(report: dict[str, Any]) -> list[str]:
     for r in rows:
         by_key.setdefault((_group(r["run"]), r["run"]["graph_key"]), {}).setdefault(r["run"]["ranks"], {})[
             _mode(r["run"])] = r
-    for (group, _), by_ranks in by_key.items():
+    for (group, graph_key), by_ranks in by_key.items():
         ranks = max(by_ranks)
         by_mode = by_ranks[ranks]
         label = next(iter(by_mode.values()))["run"]["graph_label"]
         head = f"{label}, {ranks} ranks, link {report['config']['link']}" + (f" [{group}]" if group else "")
         exact_bound = by_mode.get("exact-bound")
         # issue 31's goals for the communication-bound regime (calibrated link, shared scope) and
-        # the 1 Gbit/s link (issue 10's were 2.5x / 3x and 1.5x / 2x)
+        # the 1 Gbit/s link (issue 10's were 2.5x / 3x and 1.5x / 2x); both are set on tolokers
+        # only (the preset runs tolokers): another graph's epoch speed-up is shown, not judged
         commbound = report["config"]["link"] == "calibrated"
         need = {"adaqp": 3.0, "sylvie": 3.5} if commbound else {"adaqp": 2.5, "sylvie": 3.0}
+        judged = graph_key == GOAL_GRAPH
         for mode in ("adaqp", "sylvie"):
             r = by_mode.get(mode)
             if r is None or r["speedup"] is None:
                 continue
             ok = r["speedup"] >= need[mode]
+            verdict = (
+                f"goal >= {need[mode]:g}x: **{'met' if ok else 'NOT met'}**" if judged
+                else f"no epoch-speed goal is set on this graph (issue 31's are on {GOAL_GRAPH})"
+            )
             out.append(
                 f"- {head}: {mode} speedup over exact = {r['speedup']:.2f}x (median; "
-                f"{_f(r['speedup_mean'], '{:.2f}x')} on the mean) — goal >= {need[mode]:g}x: "
-                f"**{'met' if ok else 'NOT met'}**"
+                f"{_f(r['speedup_mean'], '{:.2f}x')} on the mean) — {verdict}"
             )
         if "sylvie" in by_mode and by_mode["sylvie"]["vs_bound"] is not None:
             r = by_mode["sylvie"]
@@ -807,7 +818,12 @@ def goal_lines(report: dict[str, Any]) -> list[str]:
             extra = ""
             if r["own_bound"] and exact_bound:
                 extra = (f"; vs exact-bound {r['run']['summary']['epoch_time'] / exact_bound['run']['summary']['epoch_time']:.2f}x")
-            goal = f" — goal <= 1.2x: **{'met' if r['vs_bound'] <= 1.2 else 'NOT met'}**" if commbound else ""
+            goal = (f" — goal <= 1.2x: **{'met' if r['vs_bound'] <= 1.2 else 'NOT met'}**"
+                    if commbound and judged else "")
+            summary = r["run"]["summary"]
+            if summary.get("sync_epochs") is not None:
+                # above `max_halo_share` the pipeline never runs: every epoch is synchronous
+                extra += f"; {summary['sync_epochs']} of {summary['epochs_measured']} measured epochs synchronous"
             out.append(
                 f"- {head}: sylvie / {own} = {r['vs_bound']:.2f}x (median epoch; "
                 f"{_f(r['vs_bound_mean'], '{:.2f}x')} on the mean, which counts its synchronous epochs{extra})"

@@ -317,6 +317,36 @@ def test_report_flags_mode_faster_than_its_bound() -> None:
     assert "FASTER THAN" not in report_mod.markdown(slow, None)
 
 
+def test_goal_lines_judge_the_epoch_speedup_on_the_goals_graph_only() -> None:
+    """Issue 31's epoch speed-up goals (>= 2.5x / 3x at 1 Gbit/s) are set on tolokers: a report
+    on tolokers judges them, one on another graph (the 55 %-halo graph, a community graph)
+    shows the speed-up with no verdict.
+
+    Its sylvie line also counts the synchronous epochs among the measured ones.
+
+    Negative control: without the graph check (``judged = True``), the report on graph `g`
+    prints "goal >= 2.5x: **NOT met**" and the second half fails."""
+    report_mod = _load("bench_report")
+    on_goal_graph = _synthetic_report([1.3, 1.4, 1.5])
+    for r in on_goal_graph["runs"]:
+        r["graph_key"] = r["graph_label"] = report_mod.GOAL_GRAPH
+    lines = report_mod.goal_lines(on_goal_graph)
+    (adaqp,) = [line for line in lines if "adaqp speedup" in line]
+    assert "1.50x" in adaqp and "goal >= 2.5x: **NOT met**" in adaqp  # 2.1 / 1.4
+    elsewhere = "\n".join(report_mod.goal_lines(_synthetic_report([1.3, 1.4, 1.5])))
+    assert "adaqp speedup over exact = 1.50x" in elsewhere  # still shown
+    assert "goal >=" not in elsewhere and "NOT met" not in elsewhere
+    assert "no epoch-speed goal is set on this graph" in elsewhere
+    # sylvie's line says how many measured epochs were synchronous (all of them above
+    # max_halo_share, where the pipeline never runs); a report without the count says nothing
+    # (negative control: without the count the first assertion fails)
+    (sylvie,) = [r for r in on_goal_graph["runs"] if r["mode"] == "sylvie"]
+    sylvie["summary"]["sync_epochs"] = 3
+    (line,) = [x for x in report_mod.goal_lines(on_goal_graph) if "sylvie / sylvie-bound" in x]
+    assert "3 of 3 measured epochs synchronous" in line
+    assert "measured epochs synchronous" not in elsewhere
+
+
 def test_paired_rounds_see_through_a_drift_that_moves_both_runs_of_a_round() -> None:
     """``--repeat`` rounds give each mode's ratio to exact (a bound's: to exact-bound) round by
     round, with a 95 % interval over the rounds: the host's speed drifting between rounds (here
