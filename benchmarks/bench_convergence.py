@@ -21,6 +21,8 @@ Reported per graph and mode:
   when ``pyg-lib`` or ``torch-sparse`` is importable (else the report says it was not run and
   why).
 
+``--conv sage`` trains GraphSAGE instead of GCN (every run and peer).
+
 Writes ``<out>/<name>.json``, ``.md`` and ``.png`` (validation metric against training
 seconds, every mode and peer).  Example::
 
@@ -68,6 +70,8 @@ MODES: dict[str, dict[str, Any]] = {
     "sylvie-inputs": {"mode": "sylvie", "project_messages": False},
 }
 FANOUTS = [15, 10, 5]
+#: ``--conv`` choices and how the report names them
+CONV_NAMES = {"gcn": "GCN", "sage": "GraphSAGE"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -84,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--link-rate", help="--link calibrated: bit/s of the shared link, e.g. 666mbit")
     p.add_argument("--target-gap", type=float, default=0.005, help="target = exact's best - this")
     p.add_argument("--nodes", type=int, default=1_000_000, help="products-like nodes")
+    p.add_argument("--conv", choices=tuple(CONV_NAMES), default="gcn",
+                   help="the model's conv layers, every run and peer (GNNNodeClassifier's conv)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--weight-decay", type=float, default=5e-4,
@@ -191,7 +197,7 @@ def run_worker(spec: dict[str, Any]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(spec["seed"], verbose=False)
     num_classes = int(data.y.max()) + 1
-    model = GNNNodeClassifier(conv="gcn", in_channels=data.num_features, num_classes=num_classes,
+    model = GNNNodeClassifier(conv=spec.get("conv", "gcn"), in_channels=data.num_features, num_classes=num_classes,
                               hidden_channels=spec["hidden"], num_layers=spec["layers"], dropout=0.5, lr=0.01,
                               weight_decay=spec.get("weight_decay", 5e-4),
                               metric=metric)
@@ -222,7 +228,7 @@ def merge_ranks(out_dir: Path, ranks: int) -> dict[str, Any]:
 
 # -- the peers (one process) -------------------------------------------------------------
 def run_full_peer(data, metric: str, epochs: int, threads: int, seed: int, hidden: int, layers: int,
-                  weight_decay: float = 5e-4, stop_at: float | None = None) -> dict[str, Any]:
+                  weight_decay: float = 5e-4, stop_at: float | None = None, conv: str = "gcn") -> dict[str, Any]:
     """Single-process PyG, full graph (the sparse CSR path): one step per epoch, then validation.
     With ``stop_at``, the run ends after the first epoch whose validation reaches it."""
     import torch
@@ -230,7 +236,7 @@ def run_full_peer(data, metric: str, epochs: int, threads: int, seed: int, hidde
 
     torch.set_num_threads(threads)
     graph = adjacency_t(data.edge_index, data.num_nodes)
-    model = build_model("gcn", data.num_features, int(data.y.max()) + 1, hidden, layers, seed=seed,
+    model = build_model(conv, data.num_features, int(data.y.max()) + 1, hidden, layers, seed=seed,
                         weight_decay=weight_decay)
     model.hparams.metric = metric
     optimizer = model.configure_optimizers()
@@ -277,7 +283,7 @@ def minibatch_unavailable() -> str | None:
 
 def run_minibatch_peer(data, metric: str, epochs: int, threads: int, seed: int, hidden: int, layers: int,
                        weight_decay: float = 5e-4, stop_at: float | None = None, val_every: int = 0,
-                       batch_size: int = 1024) -> dict[str, Any]:
+                       batch_size: int = 1024, conv: str = "gcn") -> dict[str, Any]:
     """Single-process mini-batch PyG (``NeighborLoader``, fan-outs ``FANOUTS``, ``batch_size``
     training nodes a step), validated on the full graph after each epoch and, with
     ``val_every``, after every ``val_every`` steps as well. Each validation ends a row whose
@@ -289,7 +295,7 @@ def run_minibatch_peer(data, metric: str, epochs: int, threads: int, seed: int, 
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    model = build_model("gcn", data.num_features, int(data.y.max()) + 1, hidden, layers, seed=seed,
+    model = build_model(conv, data.num_features, int(data.y.max()) + 1, hidden, layers, seed=seed,
                         weight_decay=weight_decay)
     optimizer = model.configure_optimizers()
     loader = NeighborLoader(data, num_neighbors=FANOUTS[:layers] + [FANOUTS[-1]] * max(0, layers - len(FANOUTS)),
@@ -373,7 +379,7 @@ def render(result: dict[str, Any], out: Path) -> None:
     decay = f", weight decay {result.get('weight_decay', 5e-4):g}"
     lines = [f"# Time to accuracy ({result['created']})", "",
              f"`{result['command']}`", "",
-             f"{result['ranks']} ranks, link {result['link']}, GCN {result['layers']} x {result['hidden']}, Adam 0.01{decay}, "
+             f"{result['ranks']} ranks, link {result['link']}, {CONV_NAMES[result.get('conv', 'gcn')]} {result['layers']} x {result['hidden']}, Adam 0.01{decay}, "
              f"dropout 0.5, budget {result['epochs']} epochs, seeds {result['seeds']}; target = exact's best - "
              f"{100 * result['target_gap']:.1f} pt (mean over seeds); epochs and seconds to target are means over "
              "the seeds that reached it (how many in brackets); seconds = training steps only (slowest rank), "
@@ -447,12 +453,14 @@ def peers(entry: dict[str, Any], data, metric: str, args: argparse.Namespace, se
             raise SystemExit("--peer-stop-at-target needs exact's runs (the target is exact's best - the gap)")
     if "peer-fullgraph" not in runs:
         runs["peer-fullgraph"] = [run_full_peer(data, metric, args.epochs, args.peer_threads, s, args.hidden,
-                                                args.layers, args.weight_decay, stop_at=stop_at) for s in seeds]
+                                                args.layers, args.weight_decay, stop_at=stop_at, conv=args.conv)
+                                  for s in seeds]
     why = "--no-minibatch was given" if args.no_minibatch else minibatch_unavailable()
     if why is None:
         runs["peer-minibatch"] = [run_minibatch_peer(data, metric, args.epochs, args.peer_threads, s, args.hidden,
                                                      args.layers, args.weight_decay, stop_at=stop_at,
-                                                     val_every=args.minibatch_val_every) for s in seeds]
+                                                     val_every=args.minibatch_val_every, conv=args.conv)
+                                     for s in seeds]
         entry.pop("minibatch_skipped", None)
     else:
         entry["minibatch_skipped"] = why
@@ -463,6 +471,7 @@ def add_peers(args: argparse.Namespace, path: Path) -> int:
     result = json.loads(path.read_text())
     args.epochs, args.hidden, args.layers = result["epochs"], result["hidden"], result["layers"]
     args.weight_decay = result.get("weight_decay", 5e-4)  # (files from before the option: the model's default)
+    args.conv = result.get("conv", "gcn")  # (files from before --conv trained GCN)
     args.target_gap = result["target_gap"]
     argv = [a for a in sys.argv[1:] if a != "--convergence"]
     result["command"] += f" ; peers: python benchmarks/run.py --convergence {shlex.join(argv)}"
@@ -478,7 +487,9 @@ def add_peers(args: argparse.Namespace, path: Path) -> int:
 
 
 #: settings two results files must share for their runs to sit in one table
-MERGE_KEYS = ("ranks", "link", "epochs", "hidden", "layers", "weight_decay", "target_gap")
+MERGE_KEYS = ("ranks", "link", "epochs", "conv", "hidden", "layers", "weight_decay", "target_gap")
+#: what a setting was in files written before its option existed
+_SETTING_DEFAULTS = {"weight_decay": 5e-4, "conv": "gcn"}
 
 
 def _seeded(runs: list[dict[str, Any]], seeds: list[int]) -> list[dict[str, Any]]:
@@ -496,8 +507,7 @@ def merge_results(results: list[dict[str, Any]], names: list[str]) -> dict[str, 
             hold the same (graph, run, seed) twice.
     """
     def setting(r: dict[str, Any], key: str) -> Any:
-        # files from before --weight-decay trained with the model's default
-        return r.get(key, 5e-4 if key == "weight_decay" else None)
+        return r.get(key, _SETTING_DEFAULTS.get(key))
 
     first = results[0]
     for name, r in zip(names[1:], results[1:]):
@@ -569,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         "created": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(["python benchmarks/run.py --convergence",
                                                                            *(argv if argv is not None else sys.argv[1:])]),
         "ranks": args.ranks, "link": args.link if rate_bps is None else f"{rate_bps / 1e6:g} Mbit/s (calibrated)",
-        "epochs": args.epochs, "seeds": seeds, "hidden": args.hidden,
+        "epochs": args.epochs, "seeds": seeds, "conv": args.conv, "hidden": args.hidden,
         "layers": args.layers, "weight_decay": args.weight_decay, "target_gap": args.target_gap, "graphs": [],
     }
     for graph in [g for g in args.graphs.split(",") if g]:
@@ -586,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
             for seed in seeds:
                 work = Path(tempfile.mkdtemp(prefix=f"conv-{graph}-{mode}-"))
                 spec = {"graph": graph, "nodes": args.nodes, "mode": mode, "seed": seed, "ranks": args.ranks,
-                        "epochs": args.epochs, "hidden": args.hidden, "layers": args.layers,
+                        "epochs": args.epochs, "conv": args.conv, "hidden": args.hidden, "layers": args.layers,
                         "weight_decay": args.weight_decay, "link": args.link,
                         "cache_dir": str(cache), "out_dir": str(work)}
                 (work / "spec.json").write_text(json.dumps(spec))

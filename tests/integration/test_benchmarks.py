@@ -735,6 +735,56 @@ def test_convergence_weight_decay_reaches_the_peers(monkeypatch) -> None:
     assert seen == [1e-3]
 
 
+def test_convergence_conv_reaches_every_run_peer_and_report(monkeypatch, tmp_path) -> None:
+    """``--conv sage``: every distributed run's worker builds GraphSAGE, so does each peer, the
+    report names it, and ``--merge`` refuses to put a GraphSAGE file beside a GCN one (files
+    from before the option count as GCN).
+
+    Negative controls: the worker's former ``conv="gcn"`` fails the first assertion; dropping
+    ``conv=args.conv`` from the peer's call builds GCN (the second); leaving ``conv`` out of
+    ``MERGE_KEYS`` merges the two files (the last)."""
+    import lightning_fullgraph.models
+    from tests.helpers import directed_graph
+
+    conv = _load("bench_convergence")
+    monkeypatch.syspath_prepend(str(RUN.parent))
+    import peer
+
+    class Built(Exception):
+        pass
+
+    def classifier(conv, **kwargs):  # the worker stops where it has built its model
+        raise Built(conv)
+
+    monkeypatch.setattr(lightning_fullgraph.models, "GNNNodeClassifier", classifier)
+    graph = directed_graph(num_nodes=20, num_edges=40, num_features=4, seed=0)
+    monkeypatch.setattr(conv, "load_graph", lambda name, nodes, cache: (graph, "accuracy"))
+    spec = {"graph": "lowloc", "nodes": 0, "out_dir": str(tmp_path), "cache_dir": str(tmp_path), "seed": 0,
+            "hidden": 8, "layers": 2, "conv": "sage"}
+    with pytest.raises(Built, match="sage"):
+        conv.run_worker(spec)
+
+    built = []
+    monkeypatch.setattr(peer, "build_model", lambda c, *a, **k: built.append(c) or (_ for _ in ()).throw(Built(c)))
+    with pytest.raises(Built):
+        conv.peers({"runs": {}}, graph, "accuracy", conv.parse_args(["--no-minibatch", "--conv", "sage",
+                                                                                 "--peer-threads", "1"]), [0])
+    assert built == ["sage"]
+
+    def result(**kw):
+        return {"created": "t", "command": "c", "ranks": 4, "link": "none", "layers": 3, "hidden": 8, "epochs": 1,
+                "seeds": [0], "target_gap": 0.05, **kw,
+                "graphs": [{"graph": "g", "metric": "accuracy", "halo_share": 0.5,
+                            "runs": {"exact": [_epochs([0.5], 1.0)]}}]}
+
+    sage = result(conv="sage")
+    sage["graphs"][0]["summary"] = conv.summarize(sage["graphs"][0]["runs"], 0.05)
+    conv.render(sage, tmp_path / "r.json")
+    assert "GraphSAGE 3 x 8" in (tmp_path / "r.md").read_text()
+    with pytest.raises(SystemExit, match="conv='sage'"):
+        conv.merge_results([result(), sage], ["gcn.json", "sage.json"])
+
+
 def test_convergence_peer_stops_at_exacts_target(monkeypatch, tmp_path) -> None:
     """``--peer-stop-at-target``: a peer's run ends after the first epoch at or above the target
     (exact's best - the gap, from exact's runs beside it), its epochs to target are still
