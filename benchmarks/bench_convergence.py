@@ -72,6 +72,15 @@ MODES: dict[str, dict[str, Any]] = {
 FANOUTS = [15, 10, 5]
 #: ``--conv`` choices and how the report names them
 CONV_NAMES = {"gcn": "GCN", "sage": "GraphSAGE"}
+#: settings two results files must share for their runs to sit in one table
+MERGE_KEYS = ("ranks", "link", "epochs", "conv", "hidden", "layers", "weight_decay", "target_gap")
+#: what a setting was in files written before its option existed
+_SETTING_DEFAULTS = {"weight_decay": 5e-4, "conv": "gcn"}
+
+
+def setting(result: dict[str, Any], key: str) -> Any:
+    """A results file's setting, or what it was before the file format recorded it."""
+    return result.get(key, _SETTING_DEFAULTS.get(key))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -376,10 +385,10 @@ def summarize(runs: dict[str, list[dict[str, Any]]], gap: float) -> dict[str, An
 
 
 def render(result: dict[str, Any], out: Path) -> None:
-    decay = f", weight decay {result.get('weight_decay', 5e-4):g}"
+    decay = f", weight decay {setting(result, 'weight_decay'):g}"
     lines = [f"# Time to accuracy ({result['created']})", "",
              f"`{result['command']}`", "",
-             f"{result['ranks']} ranks, link {result['link']}, {CONV_NAMES[result.get('conv', 'gcn')]} {result['layers']} x {result['hidden']}, Adam 0.01{decay}, "
+             f"{result['ranks']} ranks, link {result['link']}, {CONV_NAMES[setting(result, 'conv')]} {result['layers']} x {result['hidden']}, Adam 0.01{decay}, "
              f"dropout 0.5, budget {result['epochs']} epochs, seeds {result['seeds']}; target = exact's best - "
              f"{100 * result['target_gap']:.1f} pt (mean over seeds); epochs and seconds to target are means over "
              "the seeds that reached it (how many in brackets); seconds = training steps only (slowest rank), "
@@ -470,8 +479,7 @@ def add_peers(args: argparse.Namespace, path: Path) -> int:
     """Runs the peers for every graph of a results file, with its budget and seeds."""
     result = json.loads(path.read_text())
     args.epochs, args.hidden, args.layers = result["epochs"], result["hidden"], result["layers"]
-    args.weight_decay = result.get("weight_decay", 5e-4)  # (files from before the option: the model's default)
-    args.conv = result.get("conv", "gcn")  # (files from before --conv trained GCN)
+    args.weight_decay, args.conv = setting(result, "weight_decay"), setting(result, "conv")
     args.target_gap = result["target_gap"]
     argv = [a for a in sys.argv[1:] if a != "--convergence"]
     result["command"] += f" ; peers: python benchmarks/run.py --convergence {shlex.join(argv)}"
@@ -484,12 +492,6 @@ def add_peers(args: argparse.Namespace, path: Path) -> int:
     render(result, path)
     print(path.with_suffix(".md").read_text())
     return 0
-
-
-#: settings two results files must share for their runs to sit in one table
-MERGE_KEYS = ("ranks", "link", "epochs", "conv", "hidden", "layers", "weight_decay", "target_gap")
-#: what a setting was in files written before its option existed
-_SETTING_DEFAULTS = {"weight_decay": 5e-4, "conv": "gcn"}
 
 
 def _seeded(runs: list[dict[str, Any]], seeds: list[int]) -> list[dict[str, Any]]:
@@ -506,9 +508,6 @@ def merge_results(results: list[dict[str, Any]], names: list[str]) -> dict[str, 
         SystemExit: the files differ in a setting, a graph's halo share (another partition), or
             hold the same (graph, run, seed) twice.
     """
-    def setting(r: dict[str, Any], key: str) -> Any:
-        return r.get(key, _SETTING_DEFAULTS.get(key))
-
     first = results[0]
     for name, r in zip(names[1:], results[1:]):
         for key in MERGE_KEYS:

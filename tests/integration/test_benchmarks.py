@@ -765,10 +765,15 @@ def test_convergence_conv_reaches_every_run_peer_and_report(monkeypatch, tmp_pat
         conv.run_worker(spec)
 
     built = []
-    monkeypatch.setattr(peer, "build_model", lambda c, *a, **k: built.append(c) or (_ for _ in ()).throw(Built(c)))
+
+    def build_model(conv, *args, **kwargs):  # the peer stops where it has built its model
+        built.append(conv)
+        raise Built(conv)
+
+    monkeypatch.setattr(peer, "build_model", build_model)
+    args = conv.parse_args(["--no-minibatch", "--conv", "sage", "--peer-threads", "1"])
     with pytest.raises(Built):
-        conv.peers({"runs": {}}, graph, "accuracy", conv.parse_args(["--no-minibatch", "--conv", "sage",
-                                                                                 "--peer-threads", "1"]), [0])
+        conv.peers({"runs": {}}, graph, "accuracy", args, [0])
     assert built == ["sage"]
 
     def result(**kw):
